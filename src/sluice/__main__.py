@@ -1,0 +1,3 @@
+from sluice.cli.app import main
+
+main()

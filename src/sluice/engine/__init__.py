@@ -1,0 +1,21 @@
+"""The Redis engine: queues, workers, leases, retries, events. No HTTP, SQL or LLMs here."""
+
+from sluice.engine.backoff import Backoff
+from sluice.engine.context import JobContext
+from sluice.engine.events import Event
+from sluice.engine.job import MAX_PRIORITY, JobRecord, JobSpec, JobState
+from sluice.engine.queue import Job, Queue
+from sluice.engine.worker import Worker
+
+__all__ = [
+    "MAX_PRIORITY",
+    "Backoff",
+    "Event",
+    "Job",
+    "JobContext",
+    "JobRecord",
+    "JobSpec",
+    "JobState",
+    "Queue",
+    "Worker",
+]

@@ -1,0 +1,60 @@
+"""What a handler receives: the job it runs, and how to be idempotent about it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class JobContext:
+    """One running attempt of a job, passed to its handler.
+
+    ``attempt`` counts from 1 and grows with every retry (and with every run
+    after a lost lease), so a handler can tell a first try from a repeat.
+    ``idempotency_key`` is the same for every attempt of the job: pass it to
+    a provider that deduplicates requests, since delivery is at-least-once.
+    """
+
+    __slots__ = (
+        "attempt",
+        "created_ms",
+        "id",
+        "max_attempts",
+        "name",
+        "payload",
+        "queue",
+        "token",
+        "worker_id",
+    )
+
+    def __init__(
+        self,
+        queue: str,
+        job_id: str,
+        name: str,
+        payload: Any,
+        attempt: int,
+        max_attempts: int,
+        created_ms: int,
+        worker_id: str,
+        token: bytes,
+    ) -> None:
+        self.queue = queue
+        self.id = job_id
+        self.name = name
+        self.payload = payload
+        self.attempt = attempt
+        self.max_attempts = max_attempts
+        self.created_ms = created_ms
+        self.worker_id = worker_id
+        self.token = token
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"sluice:{self.queue}:{self.id}"
+
+    @property
+    def is_last_attempt(self) -> bool:
+        return self.attempt >= self.max_attempts
+
+    def __repr__(self) -> str:
+        return f"JobContext(queue={self.queue!r}, id={self.id!r}, name={self.name!r}, attempt={self.attempt})"

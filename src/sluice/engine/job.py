@@ -1,0 +1,215 @@
+"""Jobs: what a producer asks for (JobSpec), and what Redis holds (JobRecord)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.engine.backoff import DEFAULT_BACKOFF, Backoff
+from sluice.engine.codec import JSONValue, decode
+from sluice.errors import CorruptJobError, InvalidJobError
+
+#: Priorities run from 0 (first) to MAX_PRIORITY; the waiting score packs the
+#: priority above a 32-bit sequence number, and both must fit a double exactly.
+MAX_PRIORITY = 2**20 - 1
+MAX_ATTEMPTS = 1000
+MAX_NAME_LENGTH = 200
+MAX_IDEMPOTENCY_KEY_LENGTH = 400
+
+
+class JobState(enum.StrEnum):
+    """Where a job is in its lifecycle (see docs/architecture.md for the diagram)."""
+
+    WAITING = "waiting"
+    DELAYED = "delayed"
+    ACTIVE = "active"
+    COMPLETED = "completed"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset({JobState.COMPLETED, JobState.DEAD, JobState.CANCELLED})
+
+
+def _seconds(what: str, value: object, *, allow_zero: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidJobError(f"{what} must be a finite number of seconds, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise InvalidJobError(f"{what} must be {bound} seconds, got {value!r}")
+    return float(value)
+
+
+def _int(what: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidJobError(f"{what} must be an integer from {low} to {high}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """One job to add; validated on construction, before anything is written.
+
+    ``priority``: 0 runs first; FIFO among equal priorities.
+    ``delay``: seconds before the job may run.
+    ``max_attempts``: tries before the job is dead-lettered (1 = no retry).
+    ``timeout``: seconds a single attempt may run (None: the worker's default).
+    ``idempotency_key``: adding the same key again (within the queue's
+    idempotency TTL) returns the first job instead of adding another.
+    ``max_stalls``: how often the job's lease may expire (its worker died)
+    before it is dead-lettered rather than run again.
+    """
+
+    name: str
+    payload: JSONValue = None
+    priority: int = 0
+    delay: float = 0.0
+    max_attempts: int = 3
+    backoff: Backoff = DEFAULT_BACKOFF
+    timeout: float | None = None
+    idempotency_key: str | None = None
+    max_stalls: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME_LENGTH:
+            raise InvalidJobError(
+                f"job name must be a non-empty string of at most {MAX_NAME_LENGTH} characters, "
+                f"got {self.name!r}"
+            )
+        _int("priority", self.priority, 0, MAX_PRIORITY)
+        _seconds("delay", self.delay, allow_zero=True)
+        _int("max_attempts", self.max_attempts, 1, MAX_ATTEMPTS)
+        _int("max_stalls", self.max_stalls, 0, MAX_ATTEMPTS)
+        if not isinstance(self.backoff, Backoff):
+            raise InvalidJobError(f"backoff must be a sluice.Backoff, got {self.backoff!r}")
+        if self.timeout is not None:
+            _seconds("timeout", self.timeout, allow_zero=False)
+        key = self.idempotency_key
+        if key is not None and (not isinstance(key, str) or not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_LENGTH):
+            raise InvalidJobError(
+                "idempotency_key must be a non-empty string of at most "
+                f"{MAX_IDEMPOTENCY_KEY_LENGTH} characters, got {key!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """A job as stored in Redis, parsed and checked. Times are Unix milliseconds."""
+
+    id: str
+    name: str
+    state: JobState
+    payload: JSONValue
+    priority: int
+    attempt: int
+    max_attempts: int
+    failures: int
+    stalls: int
+    max_stalls: int
+    timeout: float | None
+    backoff: Backoff
+    created_ms: int
+    due_ms: int | None
+    started_ms: int | None
+    finished_ms: int | None
+    worker: str | None
+    result: JSONValue
+    error: str | None
+    idempotency_key: str | None
+    cancel_requested: bool
+
+    @classmethod
+    def from_hash(cls, job_id: str, raw: dict[bytes, bytes], idem_prefix: str = "") -> JobRecord:
+        """Parse a job hash; raises CorruptJobError naming the bad field."""
+        h = {k.decode(): v for k, v in raw.items()}
+
+        def text(name: str) -> str:
+            if name not in h:
+                raise CorruptJobError(job_id, f"field {name!r} is missing")
+            return h[name].decode()
+
+        def num(name: str, *, optional: bool = False) -> int | None:
+            if optional and name not in h:
+                return None
+            value = text(name)
+            try:
+                return int(value)
+            except ValueError:
+                raise CorruptJobError(job_id, f"field {name!r} is {value!r}, not an integer") from None
+
+        def need(name: str) -> int:
+            value = num(name)
+            assert value is not None
+            return value
+
+        version = text("v")
+        if version != "1":
+            raise CorruptJobError(job_id, f"record version {version!r}; this Sluice reads version 1")
+        try:
+            state = JobState(text("state"))
+        except ValueError:
+            raise CorruptJobError(job_id, f"unknown state {h['state']!r}") from None
+        try:
+            payload = decode(h["payload"]) if "payload" in h else None
+            result = decode(h["result"]) if "result" in h else None
+        except ValueError as exc:
+            raise CorruptJobError(job_id, f"payload or result is not JSON ({exc})") from None
+        try:
+            backoff = Backoff.from_json(h["backoff"]) if "backoff" in h else DEFAULT_BACKOFF
+        except (ValueError, InvalidJobError) as exc:
+            raise CorruptJobError(job_id, f"backoff does not parse ({exc})") from None
+        timeout_ms = need("timeout_ms")
+        idem = h["idem"].decode() if "idem" in h else None
+        if idem is not None and idem.startswith(idem_prefix):
+            idem = idem[len(idem_prefix) :]
+        return cls(
+            id=job_id,
+            name=text("name"),
+            state=state,
+            payload=payload,
+            priority=need("priority"),
+            attempt=need("attempt"),
+            max_attempts=need("max_attempts"),
+            failures=need("failures"),
+            stalls=need("stalls"),
+            max_stalls=need("max_stalls"),
+            timeout=timeout_ms / 1000 if timeout_ms > 0 else None,
+            backoff=backoff,
+            created_ms=need("created"),
+            due_ms=num("due", optional=True),
+            started_ms=num("started", optional=True),
+            finished_ms=num("finished", optional=True),
+            worker=h["worker"].decode() if "worker" in h else None,
+            result=result,
+            error=h["error"].decode() if "error" in h else None,
+            idempotency_key=idem,
+            cancel_requested="cancel" in h,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready view (for the CLI and the lab reports)."""
+        return {
+            "id": self.id,
+            "name": self.name,
+            "state": self.state.value,
+            "payload": self.payload,
+            "priority": self.priority,
+            "attempt": self.attempt,
+            "max_attempts": self.max_attempts,
+            "failures": self.failures,
+            "stalls": self.stalls,
+            "created_ms": self.created_ms,
+            "due_ms": self.due_ms,
+            "started_ms": self.started_ms,
+            "finished_ms": self.finished_ms,
+            "worker": self.worker,
+            "result": self.result,
+            "error": self.error,
+            "idempotency_key": self.idempotency_key,
+        }

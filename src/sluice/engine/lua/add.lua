@@ -1,0 +1,66 @@
+-- add: create jobs (one or many), honouring idempotency keys.
+--
+-- KEYS[1] seq   KEYS[2] waiting   KEYS[3] delayed   KEYS[4] events
+-- KEYS[5] wake  KEYS[6] stats     KEYS[7] job key prefix
+-- KEYS[7 + k]   the k-th idempotency key named by the jobs below
+-- ARGV[1] now (ms)  ARGV[2] events stream max length  ARGV[3] idempotency TTL (ms)
+-- ARGV[4] number of jobs n
+-- ARGV[5 + 9 * (i - 1) ...] per job: name, payload (JSON), priority, delay (ms),
+--   max_attempts, backoff (JSON), timeout (ms, 0 = worker default), max_stalls,
+--   idempotency key index k (0 = none)
+--
+-- Returns {id_1, created_1, id_2, created_2, ...}: created is 1 for a new job
+-- and 0 when an idempotency key already named a job (its id is returned).
+-- Ids are the queue's sequence numbers; the waiting score is
+-- priority * 2^32 + (sequence mod 2^32): lower priority first, FIFO within one.
+
+-- @include emit
+
+local now = tonumber(ARGV[1])
+local maxlen = ARGV[2]
+local idem_ttl = tonumber(ARGV[3])
+local n = tonumber(ARGV[4])
+local out = {}
+local added, woke = 0, false
+for i = 1, n do
+  local a = 5 + 9 * (i - 1)
+  local idem_k = tonumber(ARGV[a + 8])
+  local existing = false
+  if idem_k > 0 then existing = redis.call('GET', KEYS[7 + idem_k]) end
+  if existing then
+    out[#out + 1] = existing
+    out[#out + 1] = 0
+  else
+    local seq = redis.call('INCR', KEYS[1])
+    local id = tostring(seq)
+    local score = string.format('%.0f', tonumber(ARGV[a + 2]) * 4294967296 + (seq % 4294967296))
+    local delay = tonumber(ARGV[a + 3])
+    local state = 'waiting'
+    if delay > 0 then state = 'delayed' end
+    local jk = KEYS[7] .. id
+    redis.call('HSET', jk, 'v', 1, 'name', ARGV[a], 'payload', ARGV[a + 1],
+      'priority', ARGV[a + 2], 'score', score, 'state', state, 'attempt', 0, 'token', 0,
+      'failures', 0, 'stalls', 0, 'max_attempts', ARGV[a + 4], 'backoff', ARGV[a + 5],
+      'timeout_ms', ARGV[a + 6], 'max_stalls', ARGV[a + 7], 'created', now)
+    if delay > 0 then
+      redis.call('HSET', jk, 'due', now + delay)
+      redis.call('ZADD', KEYS[3], now + delay, id)
+    else
+      redis.call('ZADD', KEYS[2], score, id)
+    end
+    if idem_k > 0 then
+      redis.call('HSET', jk, 'idem', KEYS[7 + idem_k])
+      redis.call('SET', KEYS[7 + idem_k], id, 'PX', idem_ttl)
+    end
+    emit(KEYS[4], maxlen, 'added', id, 'state', state)
+    added = added + 1
+    out[#out + 1] = id
+    out[#out + 1] = 1
+  end
+end
+if added > 0 then
+  -- A delayed job also wakes a worker: it may need to shorten its block.
+  redis.call('ZADD', KEYS[5], 0, 'w')
+  redis.call('HINCRBY', KEYS[6], 'added', added)
+end
+return out

@@ -1,0 +1,28 @@
+-- cancel: cancel one job that has not finished.
+--
+-- KEYS[1] job key   KEYS[2] waiting   KEYS[3] delayed   KEYS[4] events   KEYS[5] stats
+-- ARGV[1] now (ms)  ARGV[2] job id  ARGV[3] events stream max length
+-- ARGV[4] keep finished records (ms, 0 = forever)
+--
+-- Returns {code, state}: 1 cancelled (it was waiting or delayed); 2 a cancel was
+-- requested from the running worker, which stops the handler at its next lease
+-- renewal; 0 nothing done (state is terminal); -1 no such job.
+
+-- @include emit
+
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return {-1, ''} end
+if state == 'waiting' or state == 'delayed' then
+  redis.call('ZREM', KEYS[2], ARGV[2])
+  redis.call('ZREM', KEYS[3], ARGV[2])
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished', ARGV[1])
+  if tonumber(ARGV[4]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
+  redis.call('HINCRBY', KEYS[5], 'cancelled', 1)
+  emit(KEYS[4], ARGV[3], 'cancelled', ARGV[2])
+  return {1, state}
+elseif state == 'active' then
+  redis.call('HSET', KEYS[1], 'cancel', ARGV[1])
+  emit(KEYS[4], ARGV[3], 'cancel_requested', ARGV[2])
+  return {2, state}
+end
+return {0, state}

@@ -1,0 +1,80 @@
+-- finish_one(K, jk, id, token, kind, value, retry_at, now, C) -> code
+-- Records the outcome of one leased job, fenced by its attempt token.
+--
+-- kind: 'c' completed (value = result JSON)
+--       'f' failed (value = error text; retried at retry_at while attempts
+--           remain, else dead-lettered)
+--       'p' failed permanently (dead-lettered now)
+--       'r' released unfinished (back to waiting; the attempt is not counted)
+--       'x' cancelled while running (after a cancel request)
+-- Returns 1 completed, 2 retry scheduled, 3 dead-lettered, 4 released,
+-- 5 cancelled, 0 refused (token stale or job no longer active), -1 no such job.
+-- C accumulates counters, written once per script call by flush_counts.
+-- K also needs: dead, keep_ms, maxlen, ev_result_max.
+
+local function finish_one(K, jk, id, token, kind, value, retry_at, now, C)
+  local cur = redis.call('HMGET', jk, 'state', 'token', 'attempt', 'max_attempts')
+  if not cur[1] then return -1 end
+  if cur[1] ~= 'active' or cur[2] ~= token then
+    C.stale_refused = C.stale_refused + 1
+    return 0
+  end
+  redis.call('ZREM', K.active, id)
+  if kind == 'c' then
+    redis.call('HSET', jk, 'state', 'completed', 'finished', now, 'result', value)
+    if K.keep_ms > 0 then redis.call('PEXPIRE', jk, K.keep_ms) end
+    C.completed = C.completed + 1
+    if #value <= K.ev_result_max then
+      emit(K.events, K.maxlen, 'completed', id, 'result', value)
+    else
+      emit(K.events, K.maxlen, 'completed', id)
+    end
+    return 1
+  elseif kind == 'r' then
+    redis.call('HINCRBY', jk, 'attempt', -1)
+    redis.call('HSET', jk, 'state', 'waiting')
+    redis.call('ZADD', K.waiting, redis.call('HGET', jk, 'score'), id)
+    C.released = C.released + 1
+    emit(K.events, K.maxlen, 'released', id)
+    return 4
+  elseif kind == 'x' then
+    redis.call('HSET', jk, 'state', 'cancelled', 'finished', now)
+    if K.keep_ms > 0 then redis.call('PEXPIRE', jk, K.keep_ms) end
+    C.cancelled = C.cancelled + 1
+    emit(K.events, K.maxlen, 'cancelled', id)
+    return 5
+  end
+  -- kind 'f' or 'p': a failed attempt
+  redis.call('HINCRBY', jk, 'failures', 1)
+  C.failed = C.failed + 1
+  emit(K.events, K.maxlen, 'failed', id, 'error', value)
+  if kind == 'p' or tonumber(cur[3]) >= tonumber(cur[4]) then
+    redis.call('HSET', jk, 'state', 'dead', 'finished', now, 'error', value)
+    redis.call('ZADD', K.dead, now, id)
+    C.dead = C.dead + 1
+    emit(K.events, K.maxlen, 'dead', id, 'error', value)
+    return 3
+  end
+  redis.call('HSET', jk, 'error', value)
+  if retry_at <= now then
+    redis.call('HSET', jk, 'state', 'waiting')
+    redis.call('ZADD', K.waiting, redis.call('HGET', jk, 'score'), id)
+  else
+    redis.call('HSET', jk, 'state', 'delayed')
+    redis.call('ZADD', K.delayed, retry_at, id)
+  end
+  C.retried = C.retried + 1
+  emit(K.events, K.maxlen, 'retrying', id, 'at', retry_at)
+  return 2
+end
+
+local function new_counts()
+  return {completed = 0, failed = 0, dead = 0, retried = 0, released = 0,
+          cancelled = 0, stale_refused = 0}
+end
+
+local function flush_counts(stats_key, C)
+  for name, n in pairs(C) do
+    if n > 0 then redis.call('HINCRBY', stats_key, name, n) end
+  end
+end

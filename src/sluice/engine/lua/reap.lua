@@ -1,0 +1,46 @@
+-- reap: return jobs whose lease expired (their worker died or hung) to waiting,
+-- counting a stall; a job that stalled more than its max_stalls is dead-lettered.
+--
+-- KEYS[1] active   KEYS[2] waiting   KEYS[3] dead   KEYS[4] events
+-- KEYS[5] stats    KEYS[6] wake      KEYS[7] job key prefix
+-- ARGV[1] now (ms)  ARGV[2] most jobs to reap in this call
+-- ARGV[3] events stream max length
+--
+-- Returns {returned to waiting, dead-lettered}. The stale worker's late answer
+-- is refused afterwards because the token no longer matches an active lease.
+
+-- @include emit
+-- @include wake
+
+local now = tonumber(ARGV[1])
+local maxlen = ARGV[3]
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
+local back, dead = 0, 0
+for i = 1, #expired do
+  local id = expired[i]
+  local jk = KEYS[7] .. id
+  redis.call('ZREM', KEYS[1], id)
+  local f = redis.call('HMGET', jk, 'score', 'max_stalls', 'worker')
+  if f[1] then
+    local stalls = redis.call('HINCRBY', jk, 'stalls', 1)
+    emit(KEYS[4], maxlen, 'stalled', id, 'worker', f[3] or '')
+    if stalls > tonumber(f[2]) then
+      local err = 'lease expired ' .. stalls .. ' times (worker lost or hung); last worker '
+        .. (f[3] or '?')
+      redis.call('HSET', jk, 'state', 'dead', 'finished', now, 'error', err)
+      redis.call('ZADD', KEYS[3], now, id)
+      emit(KEYS[4], maxlen, 'dead', id, 'error', err)
+      dead = dead + 1
+    else
+      redis.call('HSET', jk, 'state', 'waiting')
+      redis.call('ZADD', KEYS[2], f[1], id)
+      back = back + 1
+    end
+  end
+end
+if back + dead > 0 then
+  redis.call('HINCRBY', KEYS[5], 'stalled', back + dead)
+  if dead > 0 then redis.call('HINCRBY', KEYS[5], 'dead', dead) end
+  wake_if_waiting(KEYS[2], KEYS[6])
+end
+return {back, dead}

@@ -1,0 +1,364 @@
+"""The worker's event loop machinery: one pump, and three helpers around it.
+
+The pump is the only coroutine that talks to the dispatch script. Each call
+hands over every outcome finished since the last call and asks for as many
+new jobs as there are free slots, so under load one round trip serves a whole
+batch of jobs, and when idle an outcome is sent the moment it exists.
+
+Helpers:
+* the waker blocks on the queue's wake marker (BZPOPMIN) while the pump is
+  idle, with a timeout that ends when the next delayed job is due;
+* the renewer extends the leases of running jobs every third of a lease, and
+  stops handlers whose lease was lost or whose cancellation was requested;
+* the reaper returns jobs whose lease expired (their worker died) to waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import structlog
+
+from sluice.engine.backoff import Backoff
+from sluice.engine.clock import now_ms
+from sluice.engine.codec import decode, encode
+from sluice.engine.connection import MAX_BLOCK, blocking_client
+from sluice.engine.context import JobContext
+from sluice.errors import PayloadNotSerializable, PermanentError
+
+if TYPE_CHECKING:
+    from sluice.engine.queue import Queue
+    from sluice.engine.worker import Handler, Worker
+
+log = structlog.get_logger("sluice.worker")
+
+MAX_ERROR_BYTES = 8192
+
+
+class _Running:
+    """One job this process is running."""
+
+    __slots__ = ("ctx", "stop_reason", "task", "token")
+
+    def __init__(self, ctx: JobContext, token: bytes) -> None:
+        self.ctx = ctx
+        self.token = token
+        self.task: asyncio.Task[None] | None = None
+        #: why the runner cancelled the task: lease_lost, cancel, release
+        self.stop_reason: str | None = None
+
+
+class Runner:
+    def __init__(self, worker: Worker, queue: Queue) -> None:
+        self.worker = worker
+        self.queue = queue
+        self.keys = queue.keys
+        self.wid = worker.worker_id
+        self.concurrency = worker.concurrency
+        self.lease_ms = int(worker.lease * 1000)
+        self.running: dict[str, _Running] = {}
+        self.done: list[tuple[str, bytes, bytes, bytes, int]] = []
+        self.kick = asyncio.Event()
+        self.idle = asyncio.Event()
+        self.more = True
+        self.next_due = -1
+        self.stopping = False
+        self._grace_timer: asyncio.TimerHandle | None = None
+        self._base_keys = [
+            self.keys.waiting,
+            self.keys.delayed,
+            self.keys.active,
+            self.keys.events,
+            self.keys.stats,
+            self.keys.wake,
+            self.keys.job_prefix,
+            self.keys.dead,
+        ]
+        self._static_args = [
+            worker.events_maxlen,
+            int(worker.keep_finished * 1000),
+            queue.event_result_max_bytes,
+        ]
+
+    # ---- control ---------------------------------------------------------------------
+    def request_stop(self, *, immediately: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        if not self.stopping:
+            self.stopping = True
+            log.info(
+                "worker stopping",
+                worker=self.wid,
+                in_flight=len(self.running),
+                grace_s=self.worker.shutdown_grace,
+            )
+            self._grace_timer = loop.call_later(self.worker.shutdown_grace, self._release_all)
+        if immediately:
+            self._release_all()
+        self.kick.set()
+
+    def _release_all(self) -> None:
+        for job in list(self.running.values()):
+            if job.task is not None and job.stop_reason is None:
+                job.stop_reason = "release"
+                job.task.cancel()
+
+    async def run(self) -> None:
+        blocking = blocking_client(self.queue.redis)
+        helpers = [
+            asyncio.create_task(self._wake_loop(blocking), name="sluice-waker"),
+            asyncio.create_task(self._renew_loop(), name="sluice-renewer"),
+            asyncio.create_task(self._reap_loop(), name="sluice-reaper"),
+        ]
+        log.info(
+            "worker started",
+            worker=self.wid,
+            queue=self.queue.name,
+            concurrency=self.concurrency,
+            handlers=sorted(self.worker.names),
+        )
+        try:
+            await self._pump()
+        finally:
+            if self._grace_timer is not None:
+                self._grace_timer.cancel()
+            for task in helpers:
+                task.cancel()
+            for task in helpers:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await blocking.aclose()
+            with contextlib.suppress(Exception):
+                await self.queue.redis.hdel(self.keys.workers, self.wid)
+            log.info("worker stopped", worker=self.wid)
+
+    # ---- the pump ----------------------------------------------------------------------
+    async def _pump(self) -> None:
+        failures = 0
+        while True:
+            self.kick.clear()
+            free = 0 if self.stopping else self.concurrency - len(self.running)
+            if self.done or (free > 0 and self.more):
+                try:
+                    await self._step(free)
+                    failures = 0
+                except Exception as exc:  # noqa: BLE001 - keep serving; outcomes are kept
+                    failures += 1
+                    await self._backoff("dispatch", exc, failures)
+                continue
+            if self.stopping and not self.running:
+                return
+            if free > 0:
+                self.idle.set()
+            await self.kick.wait()
+            self.idle.clear()
+
+    async def _backoff(self, what: str, exc: BaseException, failures: int) -> None:
+        delay = min(5.0, 0.05 * 2 ** min(failures, 7)) * (0.5 + random.random() / 2)
+        log.warning(f"{what} failed; retrying", worker=self.wid, error=repr(exc), retry_in_s=round(delay, 2))
+        await asyncio.sleep(delay)
+
+    async def _step(self, free: int) -> None:
+        batch = self.done
+        self.done = []
+        keys = list(self._base_keys)
+        job_prefix = self.keys.job_prefix
+        args: list[Any] = [now_ms(), free, self.lease_ms, self.wid, *self._static_args, len(batch)]
+        for job_id, token, kind, value, retry_at in batch:
+            keys.append(job_prefix + job_id)
+            args += (job_id, token, kind, value, retry_at)
+        try:
+            reply = await self.queue.scripts.dispatch(keys=keys, args=args)
+        except BaseException:
+            self.done[:0] = batch  # keep the outcomes; they are sent again
+            raise
+        n = reply[0]
+        for i in range(n):
+            if reply[1 + i] <= 0:
+                job_id = batch[i][0]
+                log.warning(
+                    "outcome refused: lease lost (the job was reaped and may run again)",
+                    worker=self.wid,
+                    job=job_id,
+                    code=reply[1 + i],
+                )
+        self.next_due = reply[1 + n]
+        jobs = reply[2 + n :]
+        taken = len(jobs) // 9
+        if free > 0:
+            self.more = taken >= free
+        for i in range(0, len(jobs), 9):
+            self._start(jobs[i : i + 9])
+
+    def _start(self, f: list[Any]) -> None:
+        job_id = f[0].decode()
+        name = f[2].decode()
+        timeout_ms = int(f[6])
+        ctx = JobContext(self.queue.name, job_id, name, f[3], int(f[4]), int(f[5]), int(f[8]), self.wid, f[1])
+        job = _Running(ctx, f[1])
+        self.running[job_id] = job
+        timeout = timeout_ms / 1000 if timeout_ms > 0 else self.worker.timeout
+        job.task = asyncio.create_task(self._execute(job, self.worker.get_handler(name), timeout, f[7]))
+
+    async def _execute(
+        self, job: _Running, handler: Handler | None, timeout: float | None, backoff: bytes
+    ) -> None:
+        ctx = job.ctx
+        outcome: tuple[bytes, bytes, int] | None
+        try:
+            outcome = await self._attempt(ctx, handler, timeout, backoff)
+        except asyncio.CancelledError:
+            # Only the runner cancels handlers, and it says why first.
+            reason = job.stop_reason or "release"
+            outcome = None if reason == "lease_lost" else _STOPPED[reason]
+        finally:
+            if self.running.get(ctx.id) is job:
+                del self.running[ctx.id]
+            self.kick.set()
+        if outcome is not None:
+            self.done.append((ctx.id, job.token, *outcome))
+
+    async def _attempt(
+        self, ctx: JobContext, handler: Handler | None, timeout: float | None, backoff: bytes
+    ) -> tuple[bytes, bytes, int]:
+        """Run one attempt; returns (kind, value, retry_at) for the dispatch script."""
+        if handler is None:
+            error = (
+                f"no handler named {ctx.name!r} on worker {self.wid} (it serves: "
+                f"{', '.join(sorted(self.worker.names))})"
+            )
+            return self._dead(ctx, error.encode())
+        try:
+            ctx.payload = decode(ctx.payload)
+            if timeout is None:
+                result = await handler(ctx)
+            else:
+                try:
+                    async with asyncio.timeout(timeout) as cm:
+                        result = await handler(ctx)
+                except TimeoutError:
+                    if not cm.expired():
+                        raise
+                    raise _AttemptTimedOut(timeout) from None
+            return b"c", encode(result, "result"), 0
+        except (PermanentError, PayloadNotSerializable) as exc:
+            return self._dead(ctx, _describe(exc))
+        except Exception as exc:  # noqa: BLE001 - any handler error is the job's failure
+            if ctx.attempt >= ctx.max_attempts:
+                return self._dead(ctx, _describe(exc), kind=b"f")
+            try:
+                delay = Backoff.from_json(backoff).seconds(ctx.attempt)
+            except (ValueError, TypeError):
+                delay = 1.0
+            log.warning(
+                "attempt failed; will retry",
+                worker=self.wid,
+                job=ctx.id,
+                name=ctx.name,
+                attempt=ctx.attempt,
+                retry_in_s=round(delay, 3),
+                error=repr(exc)[:200],
+            )
+            return b"f", _describe(exc), now_ms() + int(delay * 1000)
+
+    def _dead(self, ctx: JobContext, error: bytes, kind: bytes = b"p") -> tuple[bytes, bytes, int]:
+        log.error(
+            "job failed; dead-lettered",
+            worker=self.wid,
+            job=ctx.id,
+            name=ctx.name,
+            attempt=ctx.attempt,
+            error=error[:300].decode(errors="replace"),
+        )
+        return kind, error, 0
+
+    # ---- helpers -----------------------------------------------------------------------
+    async def _wake_loop(self, blocking: Any) -> None:
+        failures = 0
+        while True:
+            await self.idle.wait()
+            block = MAX_BLOCK
+            if self.next_due >= 0:
+                block = min(block, max((self.next_due - now_ms()) / 1000, 0.0))
+            try:
+                if block > 0.001:
+                    await blocking.bzpopmin(self.keys.wake, timeout=block)
+                failures = 0
+            except (OSError, ConnectionError, TimeoutError) as exc:
+                failures += 1
+                await self._backoff("waiting for work", exc, failures)
+            self.idle.clear()
+            self.more = True
+            self.kick.set()
+
+    async def _renew_loop(self) -> None:
+        interval = self.worker.lease / 3
+        redis = self.queue.redis
+        heartbeat = orjson.dumps({"names": sorted(self.worker.names), "concurrency": self.concurrency})
+        failures = 0
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await redis.hset(self.keys.workers, self.wid, heartbeat[:-1] + b',"seen_ms":%d}' % now_ms())
+                await self._renew()
+                failures = 0
+            except (OSError, ConnectionError, TimeoutError) as exc:
+                failures += 1
+                await self._backoff("lease renewal", exc, failures)
+
+    async def _renew(self) -> None:
+        jobs = [j for j in self.running.values() if j.stop_reason is None]
+        if not jobs:
+            return
+        keys = [self.keys.active, *(self.keys.job(j.ctx.id) for j in jobs)]
+        args: list[Any] = [now_ms(), self.lease_ms]
+        for j in jobs:
+            args += (j.ctx.id, j.token)
+        codes = await self.queue.scripts.extend(keys=keys, args=args)
+        for job, code in zip(jobs, codes, strict=True):
+            if code == 1 or job.task is None or job.stop_reason is not None:
+                continue
+            job.stop_reason = "cancel" if code == 2 else "lease_lost"
+            log.warning("stopping handler", worker=self.wid, job=job.ctx.id, reason=job.stop_reason)
+            job.task.cancel()
+
+    async def _reap_loop(self) -> None:
+        interval = self.worker.reap_interval
+        k = self.keys
+        failures = 0
+        while True:
+            await asyncio.sleep(interval * (0.75 + random.random() / 2))
+            try:
+                back, dead = await self.queue.scripts.reap(
+                    keys=[k.active, k.waiting, k.dead, k.events, k.stats, k.wake, k.job_prefix],
+                    args=[now_ms(), 1000, self.worker.events_maxlen],
+                )
+                failures = 0
+            except (OSError, ConnectionError, TimeoutError) as exc:
+                failures += 1
+                await self._backoff("reaping", exc, failures)
+                continue
+            if back or dead:
+                log.warning("reaped expired leases", worker=self.wid, returned=back, dead=dead)
+                self.more = True
+                self.kick.set()
+
+
+#: What a handler stopped by the runner reports: a cancel, or a release to waiting.
+_STOPPED = {"cancel": (b"x", b"cancelled by request", 0), "release": (b"r", b"", 0)}
+
+
+class _AttemptTimedOut(Exception):
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"attempt timed out after {timeout:g}s and was cancelled")
+
+
+def _describe(exc: BaseException) -> bytes:
+    text = "".join(traceback.format_exception(exc, limit=20))
+    head = f"{type(exc).__name__}: {exc}\n"
+    data = (head + text).encode(errors="replace")
+    return data[:MAX_ERROR_BYTES]

@@ -1,0 +1,184 @@
+"""The consumer side: handlers registered by name, run by :class:`Worker`."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import os
+import secrets
+import signal
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+from sluice.engine.connection import connect
+from sluice.engine.context import JobContext
+from sluice.engine.keys import check_name
+from sluice.engine.queue import Queue
+from sluice.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+Handler = Callable[[JobContext], Awaitable[Any]]
+H = TypeVar("H", bound=Handler)
+
+
+class Worker:
+    """Runs the handlers of one queue, ``concurrency`` jobs at a time per process.
+
+    Define it at module level and run it with ``sluice worker module:worker``,
+    or ``await worker.run(url_or_client)`` in your own program::
+
+        worker = Worker("llm", concurrency=20)
+
+        @worker.handler
+        async def summarize(job: JobContext) -> dict:
+            ...
+
+    ``lease``: seconds a job stays leased without renewal; the worker renews
+    every third of it, and a job whose worker died is run again after it
+    expires. ``timeout``: default seconds per attempt (jobs may set their own;
+    None = no limit). ``shutdown_grace``: seconds in-flight jobs get to finish
+    on SIGTERM before they are released back to waiting.
+    """
+
+    def __init__(
+        self,
+        queue: str = "default",
+        *,
+        handlers: Mapping[str, Handler] | None = None,
+        concurrency: int = 10,
+        prefix: str = "sluice",
+        lease: float = 30.0,
+        timeout: float | None = None,
+        shutdown_grace: float = 30.0,
+        reap_interval: float | None = None,
+        worker_id: str | None = None,
+        keep_finished: float = 86_400.0,
+        events_maxlen: int = 10_000,
+    ) -> None:
+        check_name("queue name", queue)
+        check_name("key prefix", prefix)
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigurationError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+        for what, value in (("lease", lease), ("shutdown_grace", shutdown_grace)):
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigurationError(f"{what} must be > 0 seconds, got {value!r}")
+        if lease < 0.1:
+            raise ConfigurationError(f"lease must be at least 0.1 s, got {lease!r}")
+        if timeout is not None and (not math.isfinite(timeout) or timeout <= 0):
+            raise ConfigurationError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+        self.queue_name = queue
+        self.prefix = prefix
+        self.concurrency = concurrency
+        self.lease = lease
+        self.timeout = timeout
+        self.shutdown_grace = shutdown_grace
+        self.reap_interval = reap_interval if reap_interval is not None else min(max(lease / 2, 0.05), 5.0)
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(2)}"
+        self.keep_finished = keep_finished
+        self.events_maxlen = events_maxlen
+        self._handlers: dict[str, Handler] = {}
+        self._runner: Any = None
+        for name, fn in (handlers or {}).items():
+            self.register(name, fn)
+
+    # ---- handlers --------------------------------------------------------------
+    def register(self, name: str, fn: Handler) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"handler name must be a non-empty string, got {name!r}")
+        if not inspect.iscoroutinefunction(fn):
+            raise ConfigurationError(
+                f"handler {name!r} must be an async function (async def); wrap blocking code "
+                "in `await asyncio.to_thread(...)`"
+            )
+        if name in self._handlers and self._handlers[name] is not fn:
+            raise ConfigurationError(f"a different handler is already registered as {name!r}")
+        self._handlers[name] = fn
+
+    @overload
+    def handler(self, fn: H, /) -> H: ...
+    @overload
+    def handler(self, fn: None = None, /, *, name: str) -> Callable[[H], H]: ...
+
+    def handler(self, fn: H | None = None, /, *, name: str | None = None) -> H | Callable[[H], H]:
+        """Register an async function as the handler of jobs named after it (or ``name``)."""
+
+        def deco(f: H) -> H:
+            self.register(name or f.__name__, f)
+            return f
+
+        return deco(fn) if fn is not None else deco
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self._handlers)
+
+    def get_handler(self, name: str) -> Handler | None:
+        return self._handlers.get(name)
+
+    def queue(self, redis: Redis, **options: Any) -> Queue:
+        """A Queue for this worker's queue that refuses job names it has no handler for."""
+        return Queue(
+            self.queue_name,
+            redis=redis,
+            prefix=self.prefix,
+            known_names=self.names,
+            keep_finished=self.keep_finished,
+            events_maxlen=self.events_maxlen,
+            **options,
+        )
+
+    # ---- running -------------------------------------------------------------------
+    async def run(self, redis: Redis | str, *, handle_signals: bool = True) -> None:
+        """Run until :meth:`stop` (or SIGTERM/SIGINT when ``handle_signals``).
+
+        A first signal stops taking jobs and gives in-flight ones
+        ``shutdown_grace`` seconds; a second releases them at once.
+        """
+        from sluice.engine.runner import Runner
+
+        if not self._handlers:
+            raise ConfigurationError("this worker has no handlers; register some with @worker.handler")
+        client = connect(redis) if isinstance(redis, str) else redis
+        queue = Queue(
+            self.queue_name,
+            redis=client,
+            prefix=self.prefix,
+            keep_finished=self.keep_finished,
+            events_maxlen=self.events_maxlen,
+        )
+        runner = Runner(self, queue)
+        self._runner = runner
+        installed = self._install_signals(runner) if handle_signals else []
+        try:
+            await runner.run()
+        finally:
+            loop = asyncio.get_running_loop()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            self._runner = None
+            await queue.close()
+            if isinstance(redis, str):
+                await client.aclose()
+
+    def stop(self, *, immediately: bool = False) -> None:
+        """Stop taking jobs; finish in-flight ones (or release them now if ``immediately``)."""
+        if self._runner is not None:
+            self._runner.request_stop(immediately=immediately)
+
+    def _install_signals(self, runner: Any) -> list[signal.Signals]:
+        if threading.current_thread() is not threading.main_thread():
+            return []
+        loop = asyncio.get_running_loop()
+        sigs = [signal.SIGTERM, signal.SIGINT]
+
+        def on_signal() -> None:
+            runner.request_stop(immediately=runner.stopping)
+
+        for sig in sigs:
+            loop.add_signal_handler(sig, on_signal)
+        return sigs

@@ -1,0 +1,144 @@
+"""Every error Sluice raises, in one tree.
+
+Catch :class:`SluiceError` to handle anything raised by Sluice itself. Each
+error's message says what went wrong *and* what to do about it::
+
+    SluiceError
+    ├── ConfigurationError        settings or environment are unusable (bad URL,
+    │                             no redis-server binary, unknown handler module)
+    ├── InvalidJobError           bad input to Queue.add / add_bulk; nothing was
+    │   │                         written (also a ValueError)
+    │   ├── PayloadNotSerializable  payload is not JSON (also a TypeError)
+    │   ├── PayloadTooLarge         encoded payload exceeds the queue's limit
+    │   └── UnknownJobName          no handler is registered under that name
+    ├── CorruptJobError           a job record read back from Redis does not
+    │                             parse (written by another program or version)
+    ├── JobNotFound               no job with that id (expired or never existed;
+    │                             also a KeyError)
+    ├── JobStateError             the operation does not apply in the job's
+    │                             current state (e.g. redrive a completed job)
+    ├── JobFailed                 Job.result(): the job ended in the dead-letter
+    │                             queue; ``.error`` holds its last error
+    ├── JobCancelled              Job.result(): the job was cancelled
+    └── ResultTimeout             Job.result(): no outcome within the timeout
+                                  (also a TimeoutError); the job goes on
+
+Raised *by handlers* to steer the worker (not errors of Sluice itself)::
+
+    PermanentError                do not retry: the job goes straight to the
+                                  dead-letter queue with this error
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "CorruptJobError",
+    "InvalidJobError",
+    "JobCancelled",
+    "JobFailed",
+    "JobNotFound",
+    "JobStateError",
+    "PayloadNotSerializable",
+    "PayloadTooLarge",
+    "PermanentError",
+    "ResultTimeout",
+    "SluiceError",
+    "UnknownJobName",
+]
+
+
+class SluiceError(Exception):
+    """Base class of every error raised by Sluice."""
+
+
+class ConfigurationError(SluiceError):
+    """Settings or the environment cannot work; the message names the fix."""
+
+
+class InvalidJobError(SluiceError, ValueError):
+    """A job given to ``Queue.add`` / ``add_bulk`` is invalid; nothing was written."""
+
+
+class PayloadNotSerializable(InvalidJobError, TypeError):
+    """The payload cannot be encoded as JSON (Sluice never pickles)."""
+
+
+class PayloadTooLarge(InvalidJobError):
+    """The encoded payload is larger than the queue's ``max_payload_bytes``."""
+
+
+class UnknownJobName(InvalidJobError):
+    """The job name is not one of the handler names the queue was told about."""
+
+
+class CorruptJobError(SluiceError):
+    """A job record in Redis is missing fields or holds values that do not parse."""
+
+    def __init__(self, job_id: str, problem: str) -> None:
+        super().__init__(
+            f"job {job_id!r}: stored record is unreadable ({problem}); it was written by "
+            "another program or an incompatible Sluice version. Inspect it with "
+            "`sluice jobs show` or remove it with `sluice dlq purge`."
+        )
+        self.job_id = job_id
+        self.problem = problem
+
+
+class JobNotFound(SluiceError, KeyError):
+    """No job with that id: it never existed, or its record expired."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(
+            f"no job {job_id!r} in this queue: it never existed or its record expired "
+            "(completed jobs are kept for `keep_completed` seconds)"
+        )
+        self.job_id = job_id
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class JobStateError(SluiceError):
+    """The operation does not apply to a job in its current state."""
+
+    def __init__(self, job_id: str, state: str, wanted: str) -> None:
+        super().__init__(f"job {job_id!r} is {state}; {wanted}")
+        self.job_id = job_id
+        self.state = state
+
+
+class JobFailed(SluiceError):
+    """The job exhausted its attempts (or failed permanently) and is dead-lettered."""
+
+    def __init__(self, job_id: str, error: str) -> None:
+        super().__init__(
+            f"job {job_id!r} failed and was moved to the dead-letter queue: {error}\n"
+            "Inspect it with `sluice dlq show`, fix the cause, then `sluice dlq redrive`."
+        )
+        self.job_id = job_id
+        self.error = error
+
+
+class JobCancelled(SluiceError):
+    """The job was cancelled before it completed."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id!r} was cancelled")
+        self.job_id = job_id
+
+
+class ResultTimeout(SluiceError, TimeoutError):
+    """No outcome arrived in time; the job itself is not affected and goes on."""
+
+    def __init__(self, job_id: str, timeout: float, state: str | None) -> None:
+        super().__init__(
+            f"job {job_id!r} has no result after {timeout:g}s (it is {state or 'unknown'}); "
+            "wait longer, or check that a worker serves this queue (`sluice info`)"
+        )
+        self.job_id = job_id
+        self.state = state
+
+
+class PermanentError(Exception):
+    """Raise from a handler when retrying cannot help: the job is dead-lettered now."""
