@@ -61,14 +61,19 @@ async def _demo(url: str, n: int, processes: int, concurrency: int, seed: int) -
     client = connect(url)
     queue = Queue(name, redis=client, known_names=worker.names)
     specs = [
-        JobSpec("simulated_llm_call", {"ms": rng.randint(5, 30), "tokens": rng.randint(50, 500)},
-                priority=rng.choice(PRIORITIES))
+        JobSpec(
+            "simulated_llm_call",
+            {"ms": rng.randint(5, 30), "tokens": rng.randint(50, 500)},
+            priority=rng.choice(PRIORITIES),
+        )
         for _ in range(n)
     ]
     t0 = time.perf_counter()
     handles = await queue.add_bulk(specs)
-    console.print(f"enqueued {n} jobs on queue [bold]{name}[/bold] in "
-                  f"{(time.perf_counter() - t0) * 1000:.1f} ms; starting {processes} worker processes")
+    console.print(
+        f"enqueued {n} jobs on queue [bold]{name}[/bold] in "
+        f"{(time.perf_counter() - t0) * 1000:.1f} ms; starting {processes} worker processes"
+    )
     procs = [_start_worker(url, name, concurrency, i) for i in range(processes)]
     try:
         await _progress(queue, n)
@@ -84,8 +89,21 @@ async def _demo(url: str, n: int, processes: int, concurrency: int, seed: int) -
 
 
 def _start_worker(url: str, queue: str, concurrency: int, i: int) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "sluice", "worker", "sluice.cli.demo:worker", "--redis", url,
-            "--queue", queue, "--concurrency", str(concurrency), "--worker-id", f"worker-{i + 1}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "sluice",
+        "worker",
+        "sluice.cli.demo:worker",
+        "--redis",
+        url,
+        "--queue",
+        queue,
+        "--concurrency",
+        str(concurrency),
+        "--worker-id",
+        f"worker-{i + 1}",
+    ]
     env = dict(os.environ, SLUICE_LOG_LEVEL="warning")
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: S603
 
@@ -121,13 +139,22 @@ def _report(records: list[JobRecord], procs: list[subprocess.Popen[bytes]]) -> N
     for (wid, prio), rs in sorted(groups.items()):
         waits = [float((r.started_ms or 0) - r.created_ms) for r in rs]
         runs = [float((r.finished_ms or 0) - (r.started_ms or 0)) for r in rs]
-        table.add_row(wid, str(prio), str(len(rs)), f"{_pct(waits, 50):.0f}", f"{_pct(waits, 95):.0f}",
-                      f"{max(waits):.0f}", f"{_pct(runs, 50):.0f}")
+        table.add_row(
+            wid,
+            str(prio),
+            str(len(rs)),
+            f"{_pct(waits, 50):.0f}",
+            f"{_pct(waits, 95):.0f}",
+            f"{max(waits):.0f}",
+            f"{_pct(runs, 50):.0f}",
+        )
     console.print(table)
     order = sorted(records, key=lambda r: (r.started_ms or 0, int(r.id)))
     firsts = {p: next((i for i, r in enumerate(order) if r.priority == p), -1) for p in PRIORITIES}
-    console.print("start order by priority: " + ", ".join(
-        f"priority {p}: first started as #{i + 1}" for p, i in firsts.items() if i >= 0))
+    console.print(
+        "start order by priority: "
+        + ", ".join(f"priority {p}: first started as #{i + 1}" for p, i in firsts.items() if i >= 0)
+    )
     done = sum(r.state == "completed" for r in records)
     codes = [p.returncode for p in procs]
     console.print(f"{done}/{len(records)} completed; worker processes exited with {codes} after SIGTERM")

@@ -53,15 +53,17 @@ def info(queue: QueueOpt = "default", redis: RedisOpt = None) -> None:
         console.print(table)
         for wid, beat in sorted(workers.items()):
             data = orjson.loads(beat)
-            console.print(f"worker {wid.decode()}: concurrency {data.get('concurrency')}, "
-                          f"handlers {', '.join(data.get('names', []))}")
+            console.print(
+                f"worker {wid.decode()}: concurrency {data.get('concurrency')}, "
+                f"handlers {', '.join(data.get('names', []))}"
+            )
 
     _with_queue(redis, queue, go)
 
 
 def enqueue(
     name: Annotated[str, typer.Argument(help="Job (handler) name.")],
-    payload: Annotated[str, typer.Argument(help="Payload as JSON, e.g. '{\"text\": \"hi\"}'.")] = "null",
+    payload: Annotated[str, typer.Argument(help='Payload as JSON, e.g. \'{"text": "hi"}\'.')] = "null",
     queue: QueueOpt = "default",
     priority: Annotated[int, typer.Option(help="0 runs first.")] = 0,
     delay: Annotated[float, typer.Option(help="Seconds before it may run.")] = 0.0,
@@ -78,8 +80,14 @@ def enqueue(
         raise typer.Exit(2) from None
 
     async def go(q: Queue) -> None:
-        spec = JobSpec(name, data, priority=priority, delay=delay, max_attempts=max_attempts,
-                       idempotency_key=idempotency_key)
+        spec = JobSpec(
+            name,
+            data,
+            priority=priority,
+            delay=delay,
+            max_attempts=max_attempts,
+            idempotency_key=idempotency_key,
+        )
         job = (await q.add_bulk([spec]))[0]
         console.print(f"job {job.id} {'added' if job.created else 'already existed (idempotency key)'}")
         if wait is not None:
@@ -99,8 +107,11 @@ def _record_table(record: JobRecord) -> Table:
     table.add_column("field")
     table.add_column("value", overflow="fold")
     for key, value in record.to_dict().items():
-        text = _time(value) if key.endswith("_ms") else (
-            orjson.dumps(value).decode() if key in ("payload", "result") else str(value))
+        text = (
+            _time(value)
+            if key.endswith("_ms")
+            else (orjson.dumps(value).decode() if key in ("payload", "result") else str(value))
+        )
         table.add_row(key, text)
     return table
 
@@ -134,8 +145,13 @@ def dlq_list(queue: QueueOpt = "default", limit: int = 50, redis: RedisOpt = Non
         for col in ("id", "name", "attempts", "died", "error"):
             table.add_column(col, overflow="fold")
         for r in await q.dead_letters(limit=limit):
-            table.add_row(r.id, r.name, str(r.attempt), _time(r.finished_ms),
-                          (r.error or "").splitlines()[0] if r.error else "")
+            table.add_row(
+                r.id,
+                r.name,
+                str(r.attempt),
+                _time(r.finished_ms),
+                (r.error or "").splitlines()[0] if r.error else "",
+            )
         console.print(table)
 
     _with_queue(redis, queue, go)

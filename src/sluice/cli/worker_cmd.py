@@ -74,8 +74,9 @@ def worker(
         raise typer.Exit(_supervise(target, processes, url, concurrency, queue, worker_id))
 
 
-def _supervise(target: str, processes: int, url: str, concurrency: int | None,
-               queue: str | None, worker_id: str | None) -> int:
+def _supervise(
+    target: str, processes: int, url: str, concurrency: int | None, queue: str | None, worker_id: str | None
+) -> int:
     """Start N single-process workers and pass signals on to them."""
     children: list[subprocess.Popen[bytes]] = []
     for i in range(processes):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sluice.engine.backoff import DEFAULT_BACKOFF, Backoff
 from sluice.engine.clock import now_ms
@@ -43,6 +43,18 @@ _COUNTERS = (
     "stale_refused",
     "orphaned",
 )
+
+
+#: One finished attempt as the worker reports it: (job id, token, kind, value, retry_at ms).
+Outcome = tuple[str, bytes, bytes, bytes, int]
+
+
+class StepReply(NamedTuple):
+    """What one dispatch step answered."""
+
+    codes: list[int]
+    next_due: int
+    jobs: list[Any]
 
 
 class Job:
@@ -395,6 +407,57 @@ class Queue:
     async def _all_dead(self) -> list[str]:
         raw: list[bytes] = await self.redis.zrange(self.keys.dead, 0, -1)  # type: ignore[assignment]
         return [r.decode() for r in raw]
+
+    # ---- the worker protocol (used by Runner, and by tests that drive time) ------------
+    async def step(
+        self, *, now: int, want: int, lease_ms: int, worker_id: str, outcomes: Sequence[Outcome] = ()
+    ) -> StepReply:
+        """Record ``outcomes`` (fenced by token), promote due jobs, lease up to ``want``.
+
+        An outcome is ``(job_id, token, kind, value, retry_at_ms)`` with kind
+        b"c" completed, b"f" failed, b"p" failed permanently, b"r" released,
+        b"x" cancelled (see lua/includes/finish.lua). Returns the per-outcome
+        codes, the next delayed due time (ms, or -1) and the leased jobs as
+        flat 9-value groups (see lua/includes/dispatch.lua).
+        """
+        k = self.keys
+        keys = [k.waiting, k.delayed, k.active, k.events, k.stats, k.wake, k.job_prefix, k.dead]
+        args: list[Any] = [
+            now,
+            want,
+            lease_ms,
+            worker_id,
+            self.events_maxlen,
+            self.keep_finished_ms,
+            self.event_result_max_bytes,
+            len(outcomes),
+        ]
+        job_prefix = k.job_prefix
+        for outcome in outcomes:
+            keys.append(job_prefix + outcome[0])
+            args += outcome
+        reply = await self.scripts.dispatch(keys=keys, args=args)
+        n = reply[0]
+        return StepReply(reply[1 : 1 + n], reply[1 + n], reply[2 + n :])
+
+    async def extend(self, *, now: int, lease_ms: int, leases: Sequence[tuple[str, bytes]]) -> list[int]:
+        """Renew leases; per job 1 renewed, 2 renewed but cancel requested, 0 lost, -1 gone."""
+        if not leases:
+            return []
+        keys = [self.keys.active, *(self.keys.job(job_id) for job_id, _ in leases)]
+        args: list[Any] = [now, lease_ms]
+        for job_id, token in leases:
+            args += (job_id, token)
+        return list(await self.scripts.extend(keys=keys, args=args))
+
+    async def reap(self, *, now: int, limit: int = 1000) -> tuple[int, int]:
+        """Return expired leases to waiting (or dead); returns (returned, dead-lettered)."""
+        k = self.keys
+        back, dead = await self.scripts.reap(
+            keys=[k.active, k.waiting, k.dead, k.events, k.stats, k.wake, k.job_prefix],
+            args=[now, limit, self.events_maxlen],
+        )
+        return int(back), int(dead)
 
     @staticmethod
     def _check_id(job_id: str) -> None:

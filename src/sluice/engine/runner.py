@@ -32,7 +32,7 @@ from sluice.engine.context import JobContext
 from sluice.errors import PayloadNotSerializable, PermanentError
 
 if TYPE_CHECKING:
-    from sluice.engine.queue import Queue
+    from sluice.engine.queue import Outcome, Queue
     from sluice.engine.worker import Handler, Worker
 
 log = structlog.get_logger("sluice.worker")
@@ -62,7 +62,7 @@ class Runner:
         self.concurrency = worker.concurrency
         self.lease_ms = int(worker.lease * 1000)
         self.running: dict[str, _Running] = {}
-        self.done: list[tuple[str, bytes, bytes, bytes, int]] = []
+        self.done: list[Outcome] = []
         self.kick = asyncio.Event()
         self.idle = asyncio.Event()
         self.more = True
@@ -165,32 +165,25 @@ class Runner:
     async def _step(self, free: int) -> None:
         batch = self.done
         self.done = []
-        keys = list(self._base_keys)
-        job_prefix = self.keys.job_prefix
-        args: list[Any] = [now_ms(), free, self.lease_ms, self.wid, *self._static_args, len(batch)]
-        for job_id, token, kind, value, retry_at in batch:
-            keys.append(job_prefix + job_id)
-            args += (job_id, token, kind, value, retry_at)
         try:
-            reply = await self.queue.scripts.dispatch(keys=keys, args=args)
+            reply = await self.queue.step(
+                now=now_ms(), want=free, lease_ms=self.lease_ms, worker_id=self.wid, outcomes=batch
+            )
         except BaseException:
             self.done[:0] = batch  # keep the outcomes; they are sent again
             raise
-        n = reply[0]
-        for i in range(n):
-            if reply[1 + i] <= 0:
-                job_id = batch[i][0]
+        for outcome, code in zip(batch, reply.codes, strict=True):
+            if code <= 0:
                 log.warning(
                     "outcome refused: lease lost (the job was reaped and may run again)",
                     worker=self.wid,
-                    job=job_id,
-                    code=reply[1 + i],
+                    job=outcome[0],
+                    code=code,
                 )
-        self.next_due = reply[1 + n]
-        jobs = reply[2 + n :]
-        taken = len(jobs) // 9
+        self.next_due = reply.next_due
+        jobs = reply.jobs
         if free > 0:
-            self.more = taken >= free
+            self.more = len(jobs) // 9 >= free
         for i in range(0, len(jobs), 9):
             self._start(jobs[i : i + 9])
 
@@ -312,13 +305,9 @@ class Runner:
 
     async def _renew(self) -> None:
         jobs = [j for j in self.running.values() if j.stop_reason is None]
-        if not jobs:
-            return
-        keys = [self.keys.active, *(self.keys.job(j.ctx.id) for j in jobs)]
-        args: list[Any] = [now_ms(), self.lease_ms]
-        for j in jobs:
-            args += (j.ctx.id, j.token)
-        codes = await self.queue.scripts.extend(keys=keys, args=args)
+        codes = await self.queue.extend(
+            now=now_ms(), lease_ms=self.lease_ms, leases=[(j.ctx.id, j.token) for j in jobs]
+        )
         for job, code in zip(jobs, codes, strict=True):
             if code == 1 or job.task is None or job.stop_reason is not None:
                 continue
@@ -328,15 +317,11 @@ class Runner:
 
     async def _reap_loop(self) -> None:
         interval = self.worker.reap_interval
-        k = self.keys
         failures = 0
         while True:
             await asyncio.sleep(interval * (0.75 + random.random() / 2))
             try:
-                back, dead = await self.queue.scripts.reap(
-                    keys=[k.active, k.waiting, k.dead, k.events, k.stats, k.wake, k.job_prefix],
-                    args=[now_ms(), 1000, self.worker.events_maxlen],
-                )
+                back, dead = await self.queue.reap(now=now_ms())
                 failures = 0
             except (OSError, ConnectionError, TimeoutError) as exc:
                 failures += 1
