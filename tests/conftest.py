@@ -49,7 +49,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session", params=[b for _, b in SERVERS], ids=[n for n, _ in SERVERS])
-def redis_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+def redis_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EmbeddedRedis]:
     binary: RedisBinary = request.param
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), binary=binary, port=0, persist=False)
     server.start()

@@ -32,10 +32,15 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
     options.setdefault("socket_timeout", COMMAND_TIMEOUT)
     options.setdefault("socket_connect_timeout", CONNECT_TIMEOUT)
     options.setdefault("health_check_interval", 30)
+    # Callers beyond the pool size wait for a connection instead of failing:
+    # a thousand result waiters on one client is a normal thing to do.
+    options.setdefault("max_connections", 64)
+    options.setdefault("timeout", COMMAND_TIMEOUT)
     try:
-        return aioredis.Redis.from_url(url, **options)
+        pool = aioredis.BlockingConnectionPool.from_url(url, **options)
     except ValueError as exc:
         raise ConfigurationError(f"Redis URL {url!r} is not usable: {exc}") from exc
+    return aioredis.Redis.from_pool(pool)
 
 
 def blocking_client(redis: aioredis.Redis) -> aioredis.Redis:

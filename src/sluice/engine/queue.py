@@ -307,9 +307,9 @@ class Queue:
             while True:
                 # Read the state after registering: an outcome written in between
                 # reaches the future; one written before is in the record.
-                done = await self._final_outcome(job_id)
-                if done is not None:
-                    return done
+                finished, value = await self._final_outcome(job_id)
+                if finished:
+                    return value
                 remaining = None if deadline is None else deadline - loop.time()
                 if remaining is not None and remaining <= 0:
                     raise ResultTimeout(job_id, timeout or 0.0, str(await self.job_state(job_id)))
@@ -324,18 +324,19 @@ class Queue:
         finally:
             waiter.forget(job_id, fut)
 
-    async def _final_outcome(self, job_id: str) -> JSONValue | None:
+    async def _final_outcome(self, job_id: str) -> tuple[bool, JSONValue]:
+        """(True, result) once completed; raises if dead or cancelled; (False, None) before."""
         fields: Any = await self.redis.hmget(self.keys.job(job_id), "state", "result", "error")
         state, result, error = fields
         if state is None:
             raise JobNotFound(job_id)
         if state == b"completed":
-            return decode(result) if result is not None else None
+            return True, decode(result) if result is not None else None
         if state == b"dead":
             raise JobFailed(job_id, (error or b"").decode())
         if state == b"cancelled":
             raise JobCancelled(job_id)
-        return None
+        return False, None
 
     def _result_waiter(self) -> ResultWaiter:
         if self._waiter is None:

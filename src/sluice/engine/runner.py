@@ -7,7 +7,7 @@ batch of jobs, and when idle an outcome is sent the moment it exists.
 
 Helpers:
 * the waker blocks on the queue's wake marker (BZPOPMIN) while the pump is
-  idle, with a timeout that ends when the next delayed job is due;
+  idle (the pump itself keeps a timer for the next delayed job it knows of);
 * the renewer extends the leases of running jobs every third of a lease, and
   stops handlers whose lease was lost or whose cancellation was requested;
 * the reaper returns jobs whose lease expired (their worker died) to waiting.
@@ -68,6 +68,7 @@ class Runner:
         self.more = True
         self.next_due = -1
         self.stopping = False
+        self._closing = False
         self._grace_timer: asyncio.TimerHandle | None = None
         self._base_keys = [
             self.keys.waiting,
@@ -126,11 +127,19 @@ class Runner:
         finally:
             if self._grace_timer is not None:
                 self._grace_timer.cancel()
+            # redis-py can swallow a cancellation that lands mid-read, so the
+            # helpers also watch a flag, and the blocking socket is closed under
+            # the waker.
+            self._closing = True
+            self.idle.set()
             for task in helpers:
                 task.cancel()
-            for task in helpers:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await blocking.connection_pool.disconnect(inuse_connections=True)
+            _, stuck = await asyncio.wait(helpers, timeout=5)
+            if stuck:
+                log.warning(
+                    "helpers did not stop in time", worker=self.wid, helpers=[t.get_name() for t in stuck]
+                )
             await blocking.aclose()
             with contextlib.suppress(Exception):
                 await self.queue.redis.hdel(self.keys.workers, self.wid)
@@ -152,9 +161,20 @@ class Runner:
                 continue
             if self.stopping and not self.running:
                 return
-            if free > 0:
-                self.idle.set()
-            await self.kick.wait()
+            if free <= 0:
+                await self.kick.wait()
+                continue
+            # Idle with free slots: the waker listens for new work on Redis, and
+            # a local timer covers the next delayed job this worker knows of.
+            self.idle.set()
+            due_in = (self.next_due - now_ms()) / 1000 if self.next_due >= 0 else None
+            if due_in is None:
+                await self.kick.wait()
+            else:
+                try:
+                    await asyncio.wait_for(self.kick.wait(), max(due_in, 0.0))
+                except TimeoutError:
+                    self.more = True
             self.idle.clear()
 
     async def _backoff(self, what: str, exc: BaseException, failures: int) -> None:
@@ -272,18 +292,15 @@ class Runner:
     # ---- helpers -----------------------------------------------------------------------
     async def _wake_loop(self, blocking: Any) -> None:
         failures = 0
-        while True:
+        while not self._closing:
             await self.idle.wait()
-            block = MAX_BLOCK
-            if self.next_due >= 0:
-                block = min(block, max((self.next_due - now_ms()) / 1000, 0.0))
             try:
-                if block > 0.001:
-                    await blocking.bzpopmin(self.keys.wake, timeout=block)
+                await blocking.bzpopmin(self.keys.wake, timeout=MAX_BLOCK)
                 failures = 0
             except (OSError, ConnectionError, TimeoutError) as exc:
                 failures += 1
-                await self._backoff("waiting for work", exc, failures)
+                if not self._closing:
+                    await self._backoff("waiting for work", exc, failures)
             self.idle.clear()
             self.more = True
             self.kick.set()
@@ -300,6 +317,7 @@ class Runner:
                 await self._renew()
                 failures = 0
             except (OSError, ConnectionError, TimeoutError) as exc:
+                _reraise_if_cancelled()
                 failures += 1
                 await self._backoff("lease renewal", exc, failures)
 
@@ -324,6 +342,7 @@ class Runner:
                 back, dead = await self.queue.reap(now=now_ms())
                 failures = 0
             except (OSError, ConnectionError, TimeoutError) as exc:
+                _reraise_if_cancelled()
                 failures += 1
                 await self._backoff("reaping", exc, failures)
                 continue
@@ -340,6 +359,12 @@ _STOPPED = {"cancel": (b"x", b"cancelled by request", 0), "release": (b"r", b"",
 class _AttemptTimedOut(Exception):
     def __init__(self, timeout: float) -> None:
         super().__init__(f"attempt timed out after {timeout:g}s and was cancelled")
+
+
+def _reraise_if_cancelled() -> None:
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def _describe(exc: BaseException) -> bytes:

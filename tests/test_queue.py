@@ -1,0 +1,240 @@
+"""Adding jobs, reading them back, and refusing bad input before anything is written."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from sluice import (
+    MAX_PRIORITY,
+    Backoff,
+    CorruptJobError,
+    InvalidJobError,
+    JobSpec,
+    JobState,
+    PayloadNotSerializable,
+    PayloadTooLarge,
+    Queue,
+    UnknownJobName,
+)
+from sluice.engine.clock import now_ms
+
+
+async def keys_of(redis: Redis, prefix: str) -> list[bytes]:
+    return sorted([k async for k in redis.scan_iter(match=f"{prefix}:*")])
+
+
+async def test_add_stores_a_waiting_job(queue: Queue) -> None:
+    job = await queue.add("summarize", {"text": "hi"}, priority=3, max_attempts=5, timeout=2.5)
+    record = await job.info()
+    assert job.created
+    assert record.state is JobState.WAITING
+    assert (record.name, record.payload, record.priority) == ("summarize", {"text": "hi"}, 3)
+    assert (record.attempt, record.max_attempts, record.timeout) == (0, 5, 2.5)
+    assert abs(record.created_ms - now_ms()) < 5000
+    counts = await queue.counts()
+    assert (counts["waiting"], counts["added"], counts["active"]) == (1, 1, 0)
+
+
+async def test_delayed_job_waits_in_the_delayed_set(queue: Queue) -> None:
+    job = await queue.add("later", delay=60)
+    record = await job.info()
+    assert record.state is JobState.DELAYED
+    assert record.due_ms is not None and record.due_ms - record.created_ms == 60_000
+    assert await queue.ids(JobState.DELAYED) == [job.id]
+    assert await queue.ids(JobState.WAITING) == []
+
+
+async def test_waiting_order_is_priority_then_fifo(queue: Queue) -> None:
+    prios = [5, 0, 5, 1, 0, MAX_PRIORITY, 1]
+    jobs = await queue.add_bulk(JobSpec("j", i, priority=p) for i, p in enumerate(prios))
+    expected = [
+        j.id for _, _, j in sorted((p, i, j) for i, (p, j) in enumerate(zip(prios, jobs, strict=True)))
+    ]
+    assert await queue.ids(JobState.WAITING) == expected
+
+
+async def test_add_bulk_spans_many_script_calls(queue: Queue) -> None:
+    jobs = await queue.add_bulk(JobSpec("j", i) for i in range(2500))
+    assert len({j.id for j in jobs}) == 2500
+    assert (await queue.counts())["waiting"] == 2500
+    records = await queue.get_jobs([jobs[0].id, jobs[-1].id])
+    assert [r.payload for r in records if r] == [0, 2499]
+
+
+async def test_idempotency_key_returns_the_first_job(queue: Queue) -> None:
+    first = await queue.add("charge", {"n": 1}, idempotency_key="order-7")
+    again = await queue.add("charge", {"n": 2}, idempotency_key="order-7")
+    assert first.created and not again.created
+    assert again.id == first.id
+    assert (await first.info()).payload == {"n": 1}
+    assert (await first.info()).idempotency_key == "order-7"
+    assert (await queue.counts())["added"] == 1
+
+
+async def test_idempotency_key_twice_in_one_bulk(queue: Queue) -> None:
+    jobs = await queue.add_bulk(
+        [JobSpec("a", idempotency_key="k"), JobSpec("b"), JobSpec("c", idempotency_key="k")]
+    )
+    assert [j.created for j in jobs] == [True, True, False]
+    assert jobs[2].id == jobs[0].id
+
+
+async def test_idempotency_under_200_concurrent_adds(redis_url: str, prefix: str) -> None:
+    # Given 200 adds with one key, each on its own connection, all released at once
+    from sluice.engine.connection import connect
+
+    clients = [connect(redis_url) for _ in range(20)]
+    queues = [Queue("q", redis=c, prefix=prefix) for c in clients]
+    gate = asyncio.Event()
+
+    async def add(i: int) -> str:
+        await gate.wait()
+        return (await queues[i % 20].add("pay", {"i": i}, idempotency_key="same")).id
+
+    tasks = [asyncio.create_task(add(i)) for i in range(200)]
+    await asyncio.sleep(0.05)
+    gate.set()
+    ids = await asyncio.gather(*tasks)
+    # Then exactly one job exists and every caller got its id
+    assert len(set(ids)) == 1
+    counts = await queues[0].counts()
+    assert (counts["added"], counts["waiting"]) == (1, 1)
+    for c in clients:
+        await c.aclose()
+
+
+IDEM_SCRIPT = """
+import asyncio, sys
+from sluice import Queue
+from sluice.engine.connection import connect
+
+async def main(url, prefix, n):
+    client = connect(url)
+    q = Queue("q", redis=client, prefix=prefix)
+    while not await client.exists(prefix + ":go"):
+        await asyncio.sleep(0.001)
+    jobs = await asyncio.gather(*(q.add("pay", i, idempotency_key="one") for i in range(n)))
+    print(",".join(sorted({j.id for j in jobs})))
+    await client.aclose()
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+async def test_idempotency_across_processes(redis: Redis, redis_url: str, prefix: str, queue: Queue) -> None:
+    # Given 4 processes, each about to add 50 jobs with the same key
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", IDEM_SCRIPT, redis_url, prefix, "50", stdout=asyncio.subprocess.PIPE
+        )
+        for _ in range(4)
+    ]
+    try:
+        await asyncio.sleep(0.5)
+        # When they are released together
+        await redis.set(prefix + ":go", 1)
+        outs = [(await asyncio.wait_for(p.communicate(), 30))[0].decode().strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+    # Then all 200 adds name one job, and only one was added
+    assert set(outs) == {outs[0]} and outs[0] and "," not in outs[0]
+    assert (await queue.counts())["added"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "fragment"),
+    [
+        ({"priority": -1}, InvalidJobError, "priority"),
+        ({"priority": MAX_PRIORITY + 1}, InvalidJobError, "priority"),
+        ({"priority": 1.5}, InvalidJobError, "priority"),
+        ({"priority": True}, InvalidJobError, "priority"),
+        ({"delay": -1}, InvalidJobError, "delay"),
+        ({"delay": math.inf}, InvalidJobError, "delay"),
+        ({"delay": math.nan}, InvalidJobError, "delay"),
+        ({"max_attempts": 0}, InvalidJobError, "max_attempts"),
+        ({"timeout": 0}, InvalidJobError, "timeout"),
+        ({"idempotency_key": ""}, InvalidJobError, "idempotency_key"),
+        ({"max_stalls": -1}, InvalidJobError, "max_stalls"),
+        ({"payload": {1, 2}}, PayloadNotSerializable, "JSON"),
+        ({"payload": object()}, PayloadNotSerializable, "never pickles"),
+    ],
+)
+async def test_bad_input_is_refused_before_writing(
+    queue: Queue, redis: Redis, prefix: str, kwargs: dict[str, Any], error: type[Exception], fragment: str
+) -> None:
+    args: dict[str, Any] = {"payload": None, **kwargs}
+    payload = args.pop("payload")
+    with pytest.raises(error, match=fragment):
+        await queue.add("ok", payload, **args)
+    assert await keys_of(redis, prefix) == []
+
+
+@pytest.mark.parametrize("name", ["", None, "x" * 201, 7])
+async def test_bad_job_names(queue: Queue, name: Any) -> None:
+    with pytest.raises(InvalidJobError, match="job name"):
+        await queue.add(name)
+
+
+async def test_oversized_payload(redis: Redis, prefix: str) -> None:
+    q = Queue("q", redis=redis, prefix=prefix, max_payload_bytes=100)
+    with pytest.raises(PayloadTooLarge, match="over this queue's limit of 100"):
+        await q.add("big", "x" * 200)
+    assert await keys_of(redis, prefix) == []
+
+
+async def test_unknown_job_name_is_refused(redis: Redis, prefix: str) -> None:
+    q = Queue("q", redis=redis, prefix=prefix, known_names={"summarize", "embed"})
+    with pytest.raises(UnknownJobName, match="known: embed, summarize"):
+        await q.add("sumarize")
+    assert await keys_of(redis, prefix) == []
+
+
+async def test_one_bad_spec_in_a_bulk_writes_nothing(queue: Queue, redis: Redis, prefix: str) -> None:
+    specs = [JobSpec("ok", 1), JobSpec("ok", 2)]
+    with pytest.raises(InvalidJobError, match="item 2"):
+        await queue.add_bulk([*specs, "not a spec"])  # type: ignore[list-item]
+    assert await keys_of(redis, prefix) == []
+
+
+def test_backoff_validation() -> None:
+    with pytest.raises(InvalidJobError, match="jitter"):
+        Backoff(jitter=2)
+    with pytest.raises(InvalidJobError, match="kind"):
+        Backoff(kind="linear")  # type: ignore[arg-type]
+
+
+def test_backoff_delays() -> None:
+    exp = Backoff.exponential(delay=1, max_delay=10, jitter=0)
+    assert [exp.seconds(a) for a in (1, 2, 3, 4, 5)] == [1, 2, 4, 8, 10]
+    jittered = Backoff.exponential(delay=4, jitter=0.5)
+    assert jittered.seconds(1, rand=lambda: 0.0) == 4
+    assert jittered.seconds(1, rand=lambda: 1.0) == 2
+    assert Backoff.fixed(3).seconds(9) == 3
+
+
+async def test_corrupt_record_is_reported(queue: Queue, redis: Redis) -> None:
+    job = await queue.add("x")
+    await redis.hset(queue.keys.job(job.id), "attempt", "many")
+    with pytest.raises(CorruptJobError, match="'attempt' is 'many'"):
+        await queue.get_job(job.id)
+    await redis.hset(queue.keys.job(job.id), mapping={"attempt": 0, "v": 9})
+    with pytest.raises(CorruptJobError, match="version '9'"):
+        await queue.get_job(job.id)
+    await redis.hset(queue.keys.job(job.id), mapping={"v": 1, "payload": "{nope"})
+    with pytest.raises(CorruptJobError, match="not JSON"):
+        await queue.get_job(job.id)
+
+
+async def test_bad_job_ids_are_refused(queue: Queue) -> None:
+    for bad in ("", "abc", "0", "1 OR 1", "../x"):
+        with pytest.raises(InvalidJobError, match="not a job id"):
+            await queue.get_job(bad)
+    assert await queue.get_job("999") is None
