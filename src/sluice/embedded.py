@@ -146,7 +146,10 @@ class EmbeddedRedis:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                err = ""
+                if self.process.stderr is not None:
+                    err = self.process.stderr.read().decode(errors="replace")
+                    self.process.stderr.close()
                 log = self._log_tail()
                 raise ConfigurationError(
                     f"redis-server ({self.binary.path}) exited at start with code "
@@ -167,21 +170,26 @@ class EmbeddedRedis:
             return ""
 
     def _ping(self) -> bool:
-        try:
-            if self.socket_path is not None:
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.connect(str(self.socket_path))
-            else:
-                s = socket.create_connection(("127.0.0.1", self.port), timeout=0.5)
-        except OSError:
-            return False
-        with s:
+        """True once *our* process answers (not another server on a reused port)."""
+        family = socket.AF_UNIX if self.socket_path is not None else socket.AF_INET
+        address: str | tuple[str, int] = (
+            str(self.socket_path) if self.socket_path is not None else ("127.0.0.1", self.port)
+        )
+        with socket.socket(family, socket.SOCK_STREAM) as s:
             s.settimeout(1.0)
             try:
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
+                s.connect(address)
+                s.sendall(b"INFO server\r\n")
+                reply = b""
+                while b"process_id:" not in reply or not reply.endswith(b"\r\n\r\n"):
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    reply += chunk
             except OSError:
                 return False
+        assert self.process is not None
+        return f"process_id:{self.process.pid}\r\n".encode() in reply
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM: it flushes the append-only file first)."""
