@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
@@ -35,6 +36,11 @@ def _servers() -> list[tuple[str, RedisBinary]]:
 
 
 SERVERS = _servers()
+
+# Property tests talk to a real Redis: no per-example deadline (the machine is
+# shared and slow at times), and CI prints the seed of any failure to replay it.
+hypothesis.settings.register_profile("sluice", deadline=None, print_blob=True)
+hypothesis.settings.load_profile("sluice")
 
 
 def pytest_configure(config: pytest.Config) -> None:

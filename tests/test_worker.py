@@ -351,3 +351,24 @@ async def test_worker_queue_checks_names(redis: Redis, prefix: str) -> None:
 
     with pytest.raises(UnknownJobName):
         await q.add("two")
+
+
+async def test_unreadable_records_are_dead_lettered_with_the_reason(
+    redis: Redis, prefix: str, queue: Queue
+) -> None:
+    # Given two jobs whose records were damaged by another writer
+    w = make_worker(prefix)
+    w.register("one", _returns_one)
+    bad_payload = await queue.add("one")
+    bad_field = await queue.add("one")
+    good = await queue.add("one")
+    await redis.hset(queue.keys.job(bad_payload.id), "payload", "{not json")
+    await redis.hset(queue.keys.job(bad_field.id), "max_attempts", "lots")
+    # When a worker takes them
+    async with running(w, redis):
+        assert await good.result(timeout=10) == 1
+        # Then each is dead-lettered, saying what is wrong, and the worker goes on
+        with pytest.raises(JobFailed, match="payload is not JSON"):
+            await bad_payload.result(timeout=10)
+        with pytest.raises(JobFailed, match="unreadable fields at dispatch"):
+            await bad_field.result(timeout=10)

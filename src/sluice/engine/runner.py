@@ -29,7 +29,7 @@ from sluice.engine.clock import now_ms
 from sluice.engine.codec import decode, encode
 from sluice.engine.connection import MAX_BLOCK, blocking_client
 from sluice.engine.context import JobContext
-from sluice.errors import PayloadNotSerializable, PermanentError
+from sluice.errors import CorruptJobError, PayloadNotSerializable, PermanentError
 
 if TYPE_CHECKING:
     from sluice.engine.queue import Outcome, Queue
@@ -209,9 +209,20 @@ class Runner:
 
     def _start(self, f: list[Any]) -> None:
         job_id = f[0].decode()
-        name = f[2].decode()
-        timeout_ms = int(f[6])
-        ctx = JobContext(self.queue.name, job_id, name, f[3], int(f[4]), int(f[5]), int(f[8]), self.wid, f[1])
+        try:
+            name = f[2].decode()
+            timeout_ms = int(f[6])
+            ctx = JobContext(
+                self.queue.name, job_id, name, f[3], int(f[4]), int(f[5]), int(f[8]), self.wid, f[1]
+            )
+        except (ValueError, TypeError, AttributeError) as exc:
+            # A record this version cannot read: dead-letter it with the reason
+            # rather than let it stall and come back forever.
+            error = CorruptJobError(job_id, f"unreadable fields at dispatch: {exc}")
+            log.error("job record unreadable; dead-lettered", worker=self.wid, job=job_id, error=str(exc))
+            self.done.append((job_id, f[1], b"p", str(error).encode(), 0))
+            self.kick.set()
+            return
         job = _Running(ctx, f[1])
         self.running[job_id] = job
         timeout = timeout_ms / 1000 if timeout_ms > 0 else self.worker.timeout
@@ -247,6 +258,9 @@ class Runner:
             return self._dead(ctx, error.encode())
         try:
             ctx.payload = decode(ctx.payload)
+        except ValueError as exc:
+            return self._dead(ctx, str(CorruptJobError(ctx.id, f"payload is not JSON ({exc})")).encode())
+        try:
             if timeout is None:
                 result = await handler(ctx)
             else:
