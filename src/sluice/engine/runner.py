@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 import structlog
+from redis.exceptions import RedisError
 
 from sluice.engine.backoff import Backoff
 from sluice.engine.clock import now_ms
@@ -135,7 +136,12 @@ class Runner:
             for task in helpers:
                 task.cancel()
             await blocking.connection_pool.disconnect(inuse_connections=True)
-            _, stuck = await asyncio.wait(helpers, timeout=5)
+            done, stuck = await asyncio.wait(helpers, timeout=5)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    log.warning(
+                        "helper failed", worker=self.wid, helper=task.get_name(), error=repr(task.exception())
+                    )
             if stuck:
                 log.warning(
                     "helpers did not stop in time", worker=self.wid, helpers=[t.get_name() for t in stuck]
@@ -311,7 +317,7 @@ class Runner:
             try:
                 await blocking.bzpopmin(self.keys.wake, timeout=MAX_BLOCK)
                 failures = 0
-            except (OSError, ConnectionError, TimeoutError) as exc:
+            except _TRANSIENT as exc:
                 failures += 1
                 if not self._closing:
                     await self._backoff("waiting for work", exc, failures)
@@ -330,7 +336,7 @@ class Runner:
                 await redis.hset(self.keys.workers, self.wid, heartbeat[:-1] + b',"seen_ms":%d}' % now_ms())
                 await self._renew()
                 failures = 0
-            except (OSError, ConnectionError, TimeoutError) as exc:
+            except _TRANSIENT as exc:
                 _reraise_if_cancelled()
                 failures += 1
                 await self._backoff("lease renewal", exc, failures)
@@ -355,7 +361,7 @@ class Runner:
             try:
                 back, dead = await self.queue.reap(now=now_ms())
                 failures = 0
-            except (OSError, ConnectionError, TimeoutError) as exc:
+            except _TRANSIENT as exc:
                 _reraise_if_cancelled()
                 failures += 1
                 await self._backoff("reaping", exc, failures)
@@ -365,6 +371,9 @@ class Runner:
                 self.more = True
                 self.kick.set()
 
+
+#: Errors a helper rides out with a backoff: Redis unreachable, slow or restarting.
+_TRANSIENT = (RedisError, OSError)
 
 #: What a handler stopped by the runner reports: a cancel, or a release to waiting.
 _STOPPED = {"cancel": (b"x", b"cancelled by request", 0), "release": (b"r", b"", 0)}
