@@ -372,3 +372,22 @@ async def test_unreadable_records_are_dead_lettered_with_the_reason(
             await bad_payload.result(timeout=10)
         with pytest.raises(JobFailed, match="unreadable fields at dispatch"):
             await bad_field.result(timeout=10)
+
+
+async def test_damaged_counters_do_not_poison_a_batch(redis: Redis, prefix: str, queue: Queue) -> None:
+    # Given jobs whose counters were overwritten with text by another writer
+    w = make_worker(prefix)
+
+    @w.handler
+    async def fails_once(job: JobContext) -> int:
+        if job.attempt == 1:
+            raise RuntimeError("first try fails")
+        return job.attempt
+
+    jobs = await queue.add_bulk(JobSpec("fails_once", i, backoff=Backoff.fixed(0.01)) for i in range(3))
+    for field in ("attempt", "token", "failures"):
+        await redis.hset(queue.keys.job(jobs[0].id), field, "garbage")
+    # When a worker runs the batch, then Every job completes on its second attempt
+    async with running(w, redis):
+        assert [await j.result(timeout=10) for j in jobs] == [2, 2, 2]
+    assert (await jobs[0].info()).failures == 1

@@ -22,9 +22,10 @@ for i = 1, #expired do
   redis.call('ZREM', KEYS[1], id)
   local f = redis.call('HMGET', jk, 'score', 'max_stalls', 'worker')
   if f[1] then
-    local stalls = redis.call('HINCRBY', jk, 'stalls', 1)
+    local stalls = (tonumber(redis.call('HGET', jk, 'stalls')) or 0) + 1
+    redis.call('HSET', jk, 'stalls', stalls)
     emit(KEYS[4], maxlen, 'stalled', id, 'worker', f[3] or '')
-    if stalls > tonumber(f[2]) then
+    if stalls > (tonumber(f[2]) or 0) then
       local err = 'lease expired ' .. stalls .. ' times (worker lost or hung); last worker '
         .. (f[3] or '?')
       redis.call('HSET', jk, 'state', 'dead', 'finished', now, 'error', err)

@@ -37,11 +37,15 @@ local function take_jobs(K, now, max_jobs, lease_ms, worker, maxlen, out)
   for i = 1, #popped, 2 do
     local id = popped[i]
     local jk = K.jobp .. id
-    local f = redis.call('HMGET', jk, 'name', 'payload', 'max_attempts', 'timeout_ms', 'backoff', 'created')
+    local f = redis.call('HMGET', jk, 'name', 'payload', 'max_attempts', 'timeout_ms', 'backoff', 'created',
+                         'attempt', 'token')
     if f[1] then
-      local attempt = redis.call('HINCRBY', jk, 'attempt', 1)
-      local token = redis.call('HINCRBY', jk, 'token', 1)
-      redis.call('HSET', jk, 'state', 'active', 'started', now, 'worker', worker)
+      -- Counters that do not parse (a record damaged by another writer) restart
+      -- from zero rather than fail the whole call; the worker checks the rest.
+      local attempt = (tonumber(f[7]) or 0) + 1
+      local token = (tonumber(f[8]) or 0) + 1
+      redis.call('HSET', jk, 'state', 'active', 'started', now, 'worker', worker,
+                 'attempt', attempt, 'token', token)
       redis.call('ZADD', K.active, deadline, id)
       emit(K.events, maxlen, 'active', id, 'worker', worker)
       local n = #out

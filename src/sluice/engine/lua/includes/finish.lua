@@ -13,13 +13,17 @@
 -- K also needs: dead, keep_ms, maxlen, ev_result_max.
 
 local function finish_one(K, jk, id, token, kind, value, retry_at, now, C)
-  local cur = redis.call('HMGET', jk, 'state', 'token', 'attempt', 'max_attempts')
+  local cur = redis.call('HMGET', jk, 'state', 'token', 'attempt', 'max_attempts', 'failures', 'score')
   if not cur[1] then return -1 end
   if cur[1] ~= 'active' or cur[2] ~= token then
     C.stale_refused = C.stale_refused + 1
     return 0
   end
   redis.call('ZREM', K.active, id)
+  -- A record whose numbers do not parse (damaged by another writer) must not
+  -- fail the whole batch: missing numbers count as 0, a missing score dead-letters.
+  local attempt = tonumber(cur[3]) or 0
+  local score = cur[6]
   if kind == 'c' then
     redis.call('HSET', jk, 'state', 'completed', 'finished', now, 'result', value)
     if K.keep_ms > 0 then redis.call('PEXPIRE', jk, K.keep_ms) end
@@ -30,37 +34,36 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, now, C)
       emit(K.events, K.maxlen, 'completed', id)
     end
     return 1
-  elseif kind == 'r' then
-    redis.call('HINCRBY', jk, 'attempt', -1)
-    redis.call('HSET', jk, 'state', 'waiting')
-    redis.call('ZADD', K.waiting, redis.call('HGET', jk, 'score'), id)
-    C.released = C.released + 1
-    emit(K.events, K.maxlen, 'released', id)
-    return 4
   elseif kind == 'x' then
     redis.call('HSET', jk, 'state', 'cancelled', 'finished', now)
     if K.keep_ms > 0 then redis.call('PEXPIRE', jk, K.keep_ms) end
     C.cancelled = C.cancelled + 1
     emit(K.events, K.maxlen, 'cancelled', id)
     return 5
+  elseif kind == 'r' and score then
+    redis.call('HSET', jk, 'state', 'waiting', 'attempt', math.max(attempt - 1, 0))
+    redis.call('ZADD', K.waiting, score, id)
+    C.released = C.released + 1
+    emit(K.events, K.maxlen, 'released', id)
+    return 4
   end
   -- kind 'f' or 'p': a failed attempt
-  redis.call('HINCRBY', jk, 'failures', 1)
+  if kind == 'r' then value = 'record has no waiting score; cannot be released' end
+  redis.call('HSET', jk, 'failures', (tonumber(cur[5]) or 0) + 1)
   C.failed = C.failed + 1
   emit(K.events, K.maxlen, 'failed', id, 'error', value)
-  if kind == 'p' or tonumber(cur[3]) >= tonumber(cur[4]) then
+  if kind ~= 'f' or not score or attempt >= (tonumber(cur[4]) or 0) then
     redis.call('HSET', jk, 'state', 'dead', 'finished', now, 'error', value)
     redis.call('ZADD', K.dead, now, id)
     C.dead = C.dead + 1
     emit(K.events, K.maxlen, 'dead', id, 'error', value)
     return 3
   end
-  redis.call('HSET', jk, 'error', value)
   if retry_at <= now then
-    redis.call('HSET', jk, 'state', 'waiting')
-    redis.call('ZADD', K.waiting, redis.call('HGET', jk, 'score'), id)
+    redis.call('HSET', jk, 'state', 'waiting', 'error', value)
+    redis.call('ZADD', K.waiting, score, id)
   else
-    redis.call('HSET', jk, 'state', 'delayed')
+    redis.call('HSET', jk, 'state', 'delayed', 'error', value, 'due', retry_at)
     redis.call('ZADD', K.delayed, retry_at, id)
   end
   C.retried = C.retried + 1
