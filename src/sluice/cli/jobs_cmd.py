@@ -13,6 +13,7 @@ from rich.table import Table
 from sluice.cli.runtime import run
 from sluice.cli.server import ENV_URL, redis_url
 from sluice.engine import JobRecord, JobSpec, Queue
+from sluice.engine.clock import now_ms
 from sluice.engine.connection import connect
 from sluice.errors import SluiceError
 
@@ -51,12 +52,21 @@ def info(queue: QueueOpt = "default", redis: RedisOpt = None) -> None:
         for key, value in counts.items():
             table.add_row(key, f"{value:,}")
         console.print(table)
-        for wid, beat in sorted(workers.items()):
-            data = orjson.loads(beat)
-            console.print(
-                f"worker {wid.decode()}: concurrency {data.get('concurrency')}, "
-                f"handlers {', '.join(data.get('names', []))}"
-            )
+        if workers:
+            table = Table(title="workers (heartbeat every lease/3; crashed ones linger until cleared)")
+            for col in ("worker", "concurrency", "handlers", "last seen"):
+                table.add_column(col)
+            now = now_ms()
+            for wid, beat in sorted(workers.items()):
+                data = orjson.loads(beat)
+                age = (now - int(data.get("seen_ms", 0))) / 1000
+                table.add_row(
+                    wid.decode(),
+                    str(data.get("concurrency")),
+                    ", ".join(data.get("names", [])),
+                    f"{age:.0f} s ago",
+                )
+            console.print(table)
 
     _with_queue(redis, queue, go)
 
