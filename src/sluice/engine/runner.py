@@ -191,12 +191,19 @@ class Runner:
     async def _step(self, free: int) -> None:
         batch = self.done
         self.done = []
+        if free > 0:
+            # This step consumes "more". The waker may set it again while the
+            # call is in flight (a job added after the script ran); that signal
+            # must survive, or the worker sleeps on a marker already popped.
+            self.more = False
         try:
             reply = await self.queue.step(
                 now=now_ms(), want=free, lease_ms=self.lease_ms, worker_id=self.wid, outcomes=batch
             )
         except BaseException:
             self.done[:0] = batch  # keep the outcomes; they are sent again
+            if free > 0:
+                self.more = True
             raise
         for outcome, code in zip(batch, reply.codes, strict=True):
             if code <= 0:
@@ -208,8 +215,8 @@ class Runner:
                 )
         self.next_due = reply.next_due
         jobs = reply.jobs
-        if free > 0:
-            self.more = len(jobs) // 9 >= free
+        if free > 0 and len(jobs) // 9 >= free:
+            self.more = True  # a full batch: there may be more waiting
         for i in range(0, len(jobs), 9):
             self._start(jobs[i : i + 9])
 
