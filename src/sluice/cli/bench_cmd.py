@@ -15,10 +15,6 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from sluice.bench.common import bench_redis, machine_meta, write_json
-from sluice.bench.latency import LatencySpec, latency_run
-from sluice.bench.report import latency_table, throughput_table
-from sluice.bench.throughput import DrainSpec, drain_once, summarize
 from sluice.cli.runtime import run
 from sluice.cli.server import ENV_URL
 from sluice.engine.connection import connect
@@ -65,6 +61,11 @@ def throughput(
     json_path: JsonOpt = None,
 ) -> None:
     """Enqueue N no-op jobs in bulk, then drain them with 1 and 2 worker processes."""
+    # Imported here: every `sluice` command (a worker's start-up too) loads this module.
+    from sluice.bench.common import bench_redis, machine_meta
+    from sluice.bench.report import throughput_table
+    from sluice.bench.throughput import DrainSpec, drain_once, summarize
+
     specs = [
         DrainSpec(jobs, p, c, timeout, count)
         for _ in range(reps)
@@ -111,6 +112,10 @@ def latency(
     json_path: JsonOpt = None,
 ) -> None:
     """One idle worker process: add one job and await its result, sample after sample."""
+    from sluice.bench.common import bench_redis, machine_meta
+    from sluice.bench.latency import LatencySpec, latency_run
+    from sluice.bench.report import latency_table
+
     spec = LatencySpec(samples, warmup, concurrency, idle_gap, deadline=max(300.0, samples * (idle_gap + 1)))
 
     async def go(url: str, origin: str) -> dict[str, Any]:
@@ -140,6 +145,8 @@ def _warn(result: dict[str, Any]) -> None:
 
 
 def _save(path: Path | None, data: dict[str, Any]) -> None:
+    from sluice.bench.common import write_json
+
     if path is not None:
         write_json(path, data)
         console.print(f"[dim]wrote {path}[/dim]")
