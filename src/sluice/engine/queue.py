@@ -56,6 +56,12 @@ class StepReply(NamedTuple):
     next_due: int
     jobs: list[Any]
 
+    @classmethod
+    def parse(cls, reply: list[Any]) -> StepReply:
+        """Split the dispatch script's flat reply: {n, codes..., next_due, jobs...}."""
+        n = reply[0]
+        return cls(reply[1 : 1 + n], reply[1 + n], reply[2 + n :])
+
 
 class Job:
     """A handle on one job: its id and the queue it lives in."""
@@ -421,6 +427,19 @@ class Queue:
         codes, the next delayed due time (ms, or -1) and the leased jobs as
         flat 9-value groups (see lua/includes/dispatch.lua).
         """
+        keys, args = self.step_command(
+            now=now, want=want, lease_ms=lease_ms, worker_id=worker_id, outcomes=outcomes
+        )
+        return StepReply.parse(await self.scripts.dispatch(keys=keys, args=args))
+
+    def step_command(
+        self, *, now: int, want: int, lease_ms: int, worker_id: str, outcomes: Sequence[Outcome] = ()
+    ) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV of one dispatch call, for callers that send it themselves.
+
+        The worker's pump does: it owns a connection of its own for this one
+        script (see runner.py), and parses the answer with :meth:`StepReply.parse`.
+        """
         k = self.keys
         keys = [k.waiting, k.delayed, k.active, k.events, k.stats, k.wake, k.job_prefix, k.dead]
         args: list[Any] = [
@@ -437,9 +456,7 @@ class Queue:
         for outcome in outcomes:
             keys.append(job_prefix + outcome[0])
             args += outcome
-        reply = await self.scripts.dispatch(keys=keys, args=args)
-        n = reply[0]
-        return StepReply(reply[1 : 1 + n], reply[1 + n], reply[2 + n :])
+        return keys, args
 
     async def extend(self, *, now: int, lease_ms: int, leases: Sequence[tuple[str, bytes]]) -> list[int]:
         """Renew leases; per job 1 renewed, 2 renewed but cancel requested, 0 lost, -1 gone."""
