@@ -473,7 +473,7 @@ class Queue:
         k = self.keys
         back, dead = await self.scripts.reap(
             keys=[k.active, k.waiting, k.dead, k.events, k.stats, k.wake, k.job_prefix],
-            args=[now, limit, self.events_maxlen],
+            args=[now, limit, self.events_maxlen, self.keep_finished_ms],
         )
         return int(back), int(dead)
 

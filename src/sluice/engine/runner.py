@@ -148,9 +148,22 @@ class Runner:
 
     def _release_all(self) -> None:
         for job in list(self.running.values()):
-            if job.task is not None and job.stop_reason is None:
-                job.stop_reason = "release"
-                job.task.cancel()
+            self._stop_handler(job, "release")
+
+    def _stop_handler(self, job: _Running, reason: str) -> None:
+        """Cancel a handler, and again every half second until it has ended.
+
+        On Python 3.11 a cancellation that lands while the handler is inside
+        asyncio.wait_for (redis-py sends every command through it) can be lost;
+        cancelling once would leave the handler running and the worker waiting.
+        """
+        if job.stop_reason is None:
+            job.stop_reason = reason
+        task = job.task
+        if task is None or task.done():
+            return
+        task.cancel()
+        asyncio.get_running_loop().call_later(0.5, self._stop_handler, job, reason)
 
     async def run(self) -> None:
         blocking = blocking_client(self.queue.redis)
@@ -382,7 +395,7 @@ class Runner:
         redis = self.queue.redis
         heartbeat = orjson.dumps({"names": sorted(self.worker.names), "concurrency": self.concurrency})
         failures = 0
-        while True:
+        while not self._closing:
             await asyncio.sleep(interval)
             try:
                 await redis.hset(self.keys.workers, self.wid, heartbeat[:-1] + b',"seen_ms":%d}' % now_ms())
@@ -401,14 +414,14 @@ class Runner:
         for job, code in zip(jobs, codes, strict=True):
             if code == 1 or job.task is None or job.stop_reason is not None:
                 continue
-            job.stop_reason = "cancel" if code == 2 else "lease_lost"
-            log.warning("stopping handler", worker=self.wid, job=job.ctx.id, reason=job.stop_reason)
-            job.task.cancel()
+            reason = "cancel" if code == 2 else "lease_lost"
+            log.warning("stopping handler", worker=self.wid, job=job.ctx.id, reason=reason)
+            self._stop_handler(job, reason)
 
     async def _reap_loop(self) -> None:
         interval = self.worker.reap_interval
         failures = 0
-        while True:
+        while not self._closing:
             await asyncio.sleep(interval * (0.75 + random.random() / 2))
             try:
                 back, dead = await self.queue.reap(now=now_ms())

@@ -4,8 +4,9 @@
 -- KEYS[1] active   KEYS[2] waiting   KEYS[3] dead   KEYS[4] events
 -- KEYS[5] stats    KEYS[6] wake      KEYS[7] job key prefix
 -- ARGV[1] now (ms)  ARGV[2] most jobs to reap in this call
--- ARGV[3] events stream max length
+-- ARGV[3] events stream max length  ARGV[4] keep finished records (ms, 0 = forever)
 --
+-- A job whose cancellation was requested is cancelled instead of returned.
 -- Returns {returned to waiting, dead-lettered}. The stale worker's late answer
 -- is refused afterwards because the token no longer matches an active lease.
 
@@ -14,18 +15,26 @@
 
 local now = tonumber(ARGV[1])
 local maxlen = ARGV[3]
+local keep_ms = tonumber(ARGV[4])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
-local back, dead = 0, 0
+local back, dead, cancelled = 0, 0, 0
 for i = 1, #expired do
   local id = expired[i]
   local jk = KEYS[7] .. id
   redis.call('ZREM', KEYS[1], id)
-  local f = redis.call('HMGET', jk, 'score', 'max_stalls', 'worker')
+  local f = redis.call('HMGET', jk, 'score', 'max_stalls', 'worker', 'stalls', 'cancel')
   if f[1] then
-    local stalls = (tonumber(redis.call('HGET', jk, 'stalls')) or 0) + 1
+    local stalls = (tonumber(f[4]) or 0) + 1
     redis.call('HSET', jk, 'stalls', stalls)
     emit(KEYS[4], maxlen, 'stalled', id, 'worker', f[3] or '')
-    if stalls > (tonumber(f[2]) or 0) then
+    if f[5] then
+      -- Its cancellation was requested: end it here rather than run it again.
+      redis.call('HSET', jk, 'state', 'cancelled', 'finished', now)
+      if keep_ms > 0 then redis.call('PEXPIRE', jk, keep_ms) end
+      redis.call('HINCRBY', KEYS[5], 'cancelled', 1)
+      emit(KEYS[4], maxlen, 'cancelled', id)
+      cancelled = cancelled + 1
+    elseif stalls > (tonumber(f[2]) or 0) then
       local err = 'lease expired ' .. stalls .. ' times (worker lost or hung); last worker '
         .. (f[3] or '?')
       redis.call('HSET', jk, 'state', 'dead', 'finished', now, 'error', err)
@@ -39,8 +48,8 @@ for i = 1, #expired do
     end
   end
 end
-if back + dead > 0 then
-  redis.call('HINCRBY', KEYS[5], 'stalled', back + dead)
+if back + dead + cancelled > 0 then
+  redis.call('HINCRBY', KEYS[5], 'stalled', back + dead + cancelled)
   if dead > 0 then redis.call('HINCRBY', KEYS[5], 'dead', dead) end
   wake_if_waiting(KEYS[2], KEYS[6])
 end

@@ -7,13 +7,15 @@
 --       'p' failed permanently (dead-lettered now)
 --       'r' released unfinished (back to waiting; the attempt is not counted)
 --       'x' cancelled while running (after a cancel request)
+-- A job whose cancellation was requested ends cancelled unless it completed.
 -- Returns 1 completed, 2 retry scheduled, 3 dead-lettered, 4 released,
 -- 5 cancelled, 0 refused (token stale or job no longer active), -1 no such job.
 -- C accumulates counters, written once per script call by flush_counts.
 -- K also needs: dead, keep_ms, maxlen, ev_result_max.
 
 local function finish_one(K, jk, id, token, kind, value, retry_at, now, C)
-  local cur = redis.call('HMGET', jk, 'state', 'token', 'attempt', 'max_attempts', 'failures', 'score')
+  local cur = redis.call('HMGET', jk, 'state', 'token', 'attempt', 'max_attempts', 'failures', 'score',
+                         'cancel')
   if not cur[1] then return -1 end
   if cur[1] ~= 'active' or cur[2] ~= token then
     C.stale_refused = C.stale_refused + 1
@@ -24,6 +26,12 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, now, C)
   -- fail the whole batch: missing numbers count as 0, a missing score dead-letters.
   local attempt = tonumber(cur[3]) or 0
   local score = cur[6]
+  -- A cancel requested while the attempt ran wins over anything but success:
+  -- the job must not go back to waiting and run again.
+  if cur[7] and kind ~= 'c' then
+    if kind == 'f' or kind == 'p' then redis.call('HSET', jk, 'error', value) end
+    kind = 'x'
+  end
   if kind == 'c' then
     redis.call('HSET', jk, 'state', 'completed', 'finished', now, 'result', value)
     if K.keep_ms > 0 then redis.call('PEXPIRE', jk, K.keep_ms) end
