@@ -174,14 +174,6 @@ async def test_release_reaches_a_handler_that_lost_the_first_cancel(
     assert (counts["released"], counts["stalled"]) == (1, 0), counts
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Runner._renew skips jobs whose stop_reason is set, so a handler still winding "
-        "down after its release loses its lease: the job is reaped as a stall (attempt "
-        "counted; another worker may start it meanwhile) and the release is refused"
-    ),
-)
 async def test_a_handler_slow_to_wind_down_is_released_not_stalled(
     procs: WorkerProcs, redis: Redis, prefix: str, queue: Queue
 ) -> None:
