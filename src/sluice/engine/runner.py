@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import random
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -43,6 +44,13 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("sluice.worker")
 
+try:  # hiredis comes with redis[hiredis]; pack_command is in hiredis >= 2.1
+    import hiredis
+
+    _PACK: Callable[[tuple[Any, ...]], bytes] | None = hiredis.pack_command
+except (ImportError, AttributeError):  # pragma: no cover - redis-py packs instead
+    _PACK = None
+
 MAX_ERROR_BYTES = 8192
 
 
@@ -64,11 +72,13 @@ class _Wire:
 
     The pump sends one call at a time, so it needs no pool: talking to a
     redis-py Connection directly skips the pool's lock and condition, the
-    client's retry wrapper and its event hooks. With short jobs that was a
-    third of the worker's CPU per job (53 -> 35 µs at concurrency 10, no-op
-    jobs, benchmarks/README.md). The connection (TCP, unix or TLS, with auth
-    and db) is built from the client's own pool settings and reconnects on
-    the next call after any error; the pump retries with its outcomes kept.
+    client's retry wrapper and its event hooks, and the command is packed by
+    hiredis in C (redis-py's asyncio packer spends about 1 µs per argument,
+    and a call carries 6 per finished job). With short jobs that was a third
+    of the worker's CPU per job (benchmarks/README.md). The connection (TCP,
+    unix or TLS, with auth and db) is built from the client's own pool
+    settings and reconnects on the next call after any error; the pump then
+    retries with its outcomes kept.
     """
 
     def __init__(self, redis: Redis, script: AsyncScript) -> None:
@@ -76,16 +86,20 @@ class _Wire:
         self._conn: AbstractConnection = pool.connection_class(**pool.connection_kwargs)
         self._script = script
 
+    async def _send(self, *args: Any) -> None:
+        packed = _PACK(args) if _PACK is not None else self._conn.pack_command(*args)
+        await self._conn.send_packed_command(packed)
+
     async def call(self, keys: list[str], args: list[Any]) -> Any:
         conn = self._conn
         try:
             try:
-                await conn.send_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+                await self._send("EVALSHA", self._script.sha, len(keys), *keys, *args)
                 return await conn.read_response()
             except NoScriptError:  # Redis restarted or its scripts were flushed
-                await conn.send_command("SCRIPT", "LOAD", self._script.script)
+                await self._send("SCRIPT", "LOAD", self._script.script)
                 await conn.read_response()
-                await conn.send_command("EVALSHA", self._script.sha, len(keys), *keys, *args)
+                await self._send("EVALSHA", self._script.sha, len(keys), *keys, *args)
                 return await conn.read_response()
         except BaseException:
             # A reply may be half read (or not read): the next call must not see it.
