@@ -410,7 +410,7 @@ class Runner:
         heartbeat = orjson.dumps({"names": sorted(self.worker.names), "concurrency": self.concurrency})
         failures = 0
         while not self._closing:
-            await asyncio.sleep(interval)
+            # The first heartbeat goes out at start, so a worker is visible at once.
             try:
                 await redis.hset(self.keys.workers, self.wid, heartbeat[:-1] + b',"seen_ms":%d}' % now_ms())
                 await self._renew()
@@ -419,6 +419,7 @@ class Runner:
                 _reraise_if_cancelled()
                 failures += 1
                 await self._backoff("lease renewal", exc, failures)
+            await asyncio.sleep(interval)
 
     async def _renew(self) -> None:
         # A handler told to stop keeps its lease until it has ended (a slow wind-down
