@@ -28,14 +28,16 @@ if TYPE_CHECKING:
 WORKER_TARGET = "sluice.bench.noop:worker"
 
 
-def worker_argv(url: str, queue: str, concurrency: int, worker_id: str) -> list[str]:
-    """argv of one single-process worker serving ``queue``."""
+def worker_argv(
+    url: str, queue: str, concurrency: int, worker_id: str, target: str = WORKER_TARGET
+) -> list[str]:
+    """argv of one single-process `sluice worker` serving ``queue`` (the demo uses it too)."""
     return [
         sys.executable,
         "-m",
         "sluice",
         "worker",
-        WORKER_TARGET,
+        target,
         "--redis",
         url,
         "--queue",

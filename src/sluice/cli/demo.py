@@ -13,7 +13,6 @@ import random
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from typing import Annotated
@@ -23,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from sluice.bench.procs import worker_argv
 from sluice.cli.runtime import run
 from sluice.cli.server import ENV_URL, redis_url
 from sluice.engine import JobContext, JobRecord, JobSpec, Queue, Worker
@@ -92,21 +92,7 @@ async def _demo(url: str, n: int, processes: int, concurrency: int, seed: int) -
 
 
 def _start_worker(url: str, queue: str, concurrency: int, i: int) -> subprocess.Popen[bytes]:
-    argv = [
-        sys.executable,
-        "-m",
-        "sluice",
-        "worker",
-        "sluice.cli.demo:worker",
-        "--redis",
-        url,
-        "--queue",
-        queue,
-        "--concurrency",
-        str(concurrency),
-        "--worker-id",
-        f"worker-{i + 1}",
-    ]
+    argv = worker_argv(url, queue, concurrency, f"worker-{i + 1}", target="sluice.cli.demo:worker")
     env = dict(os.environ, SLUICE_LOG_LEVEL="warning")
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: S603
 
