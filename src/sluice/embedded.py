@@ -90,6 +90,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _read_bulk(sock: socket.socket, count: int) -> list[bytes]:
+    """Read ``count`` RESP bulk-string replies (what INFO answers) from ``sock``."""
+    buf = b""
+    out: list[bytes] = []
+    while len(out) < count:
+        head, sep, rest = buf.partition(b"\r\n")
+        if sep and head.startswith(b"$") and len(rest) >= int(head[1:]) + 2:
+            size = int(head[1:])
+            out.append(rest[:size])
+            buf = rest[size + 2 :]
+            continue
+        if sep and not head.startswith(b"$"):
+            raise ValueError(f"unexpected reply {head[:80]!r}")
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ValueError("connection closed")
+        buf += chunk
+    return out
+
+
 class EmbeddedRedis:
     """One private redis-server process. Use as a context manager, or start()/stop().
 
@@ -179,7 +199,8 @@ class EmbeddedRedis:
             return ""
 
     def _ping(self) -> bool:
-        """True once *our* process answers (not another server on a reused port)."""
+        """True once *our* process answers (not another server on a reused port)
+        and has finished loading its data (commands fail with LOADING before)."""
         family = socket.AF_UNIX if self.socket_path is not None else socket.AF_INET
         address: str | tuple[str, int] = (
             str(self.socket_path) if self.socket_path is not None else ("127.0.0.1", self.port)
@@ -188,17 +209,12 @@ class EmbeddedRedis:
             s.settimeout(1.0)
             try:
                 s.connect(address)
-                s.sendall(b"INFO server\r\n")
-                reply = b""
-                while b"process_id:" not in reply or not reply.endswith(b"\r\n\r\n"):
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        break
-                    reply += chunk
-            except OSError:
+                s.sendall(b"INFO server\r\nINFO persistence\r\n")
+                server, persistence = _read_bulk(s, 2)
+            except (OSError, ValueError):
                 return False
         assert self.process is not None
-        return f"process_id:{self.process.pid}\r\n".encode() in reply
+        return f"process_id:{self.process.pid}\r\n".encode() in server and b"loading:0\r\n" in persistence
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM: it flushes the append-only file first)."""

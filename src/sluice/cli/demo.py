@@ -87,6 +87,10 @@ async def _demo(url: str, n: int, processes: int, concurrency: int, seed: int) -
             p.wait(30)
     records = [r for r in await queue.get_jobs([h.id for h in handles]) if r is not None]
     _report(records, procs)
+    # The demo's queue is throw-away: leave nothing behind in the local Redis.
+    keys = [k async for k in client.scan_iter(match=queue.keys.base + "*", count=1000)]
+    for start in range(0, len(keys), 1000):
+        await client.unlink(*keys[start : start + 1000])
     await queue.close()
     await client.aclose()
 
