@@ -128,21 +128,6 @@ class Runner:
         self._closing = False
         self._wire = _Wire(queue.redis, queue.scripts.dispatch)
         self._grace_timer: asyncio.TimerHandle | None = None
-        self._base_keys = [
-            self.keys.waiting,
-            self.keys.delayed,
-            self.keys.active,
-            self.keys.events,
-            self.keys.stats,
-            self.keys.wake,
-            self.keys.job_prefix,
-            self.keys.dead,
-        ]
-        self._static_args = [
-            worker.events_maxlen,
-            int(worker.keep_finished * 1000),
-            queue.event_result_max_bytes,
-        ]
 
     # ---- control ---------------------------------------------------------------------
     def request_stop(self, *, immediately: bool = False) -> None:
