@@ -65,6 +65,9 @@ COUNTERS = (
     "released",
     "stale_refused",
     "orphaned",
+    "throttled",
+    "rejected",
+    "unknown_outcome",
 )
 
 #: One event of the stream: (ev, job id) or (ev, job id, field, value).
@@ -143,6 +146,7 @@ class ModelJob:
             "timeout_ms": str(s.timeout_ms),
             "max_stalls": str(s.max_stalls),
             "created": str(self.created),
+            "tokens": "0",
         }
         optional = {
             "due": self.due,
@@ -216,6 +220,7 @@ class Model:
 
     def counts(self) -> dict[str, int]:
         out = {name: len(self.zset(name)) for name in LIVE_SETS}
+        out["parked"] = 0
         for name in COUNTERS:
             out[name] = self.stats[name]
         out["dead_total"] = self.stats["dead"]
@@ -265,10 +270,10 @@ class Model:
         want: int,
         lease_ms: int,
         worker: str,
-        outcomes: list[tuple[str, bytes, bytes, bytes, int]],
+        outcomes: list[tuple[str, bytes, bytes, bytes, int, int]],
     ) -> tuple[list[int], int, list[LeasedJob]]:
         """Returns (codes, next_due, leased jobs)."""
-        codes = [self._finish(now, *outcome) for outcome in outcomes]
+        codes = [self._finish(now, *outcome[:5]) for outcome in outcomes]
         for job in self.jobs.values():
             if job.state == DELAYED and job.run_at <= now:
                 job.state = WAITING

@@ -91,7 +91,7 @@ async def test_dlq_list_redrive_purge(redis_url: str, redis: Redis, prefix: str)
         want=0,
         lease_ms=1000,
         worker_id="w",
-        outcomes=[(j.id, str(tokens[j.id]).encode(), b"p", b"boom: quota", 0) for j in jobs],
+        outcomes=[(j.id, str(tokens[j.id]).encode(), b"p", b"boom: quota", 0, -1) for j in jobs],
     )
     out = await invoke("dlq", "list", "--queue", name, "--redis", redis_url)
     assert "boom: quota" in out

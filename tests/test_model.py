@@ -335,7 +335,9 @@ class QueueMachine(RuleBasedStateMachine):
 
     def do_step(self, want: int, lease_ms: int, worker: str, drawn: list[Drawn]) -> None:
         now = self.clock.now
-        outcomes = [(job_id, token, kind, value, now + off) for (job_id, token), (kind, value), off in drawn]
+        outcomes = [
+            (job_id, token, kind, value, now + off, -1) for (job_id, token), (kind, value), off in drawn
+        ]
         codes, next_due, leased = self.model.step(now, want, lease_ms, worker, outcomes)
         reply = self.run(
             self.queue.step(now=now, want=want, lease_ms=lease_ms, worker_id=worker, outcomes=outcomes)
@@ -344,7 +346,7 @@ class QueueMachine(RuleBasedStateMachine):
         assert reply.jobs == flat(leased)
         assert reply.next_due == next_due
         self.leases += [(j.id.decode(), str(j.token).encode()) for j in leased]
-        for (_, _, kind, _, _), code in zip(outcomes, codes, strict=True):
+        for (_, _, kind, _, _, _), code in zip(outcomes, codes, strict=True):
             event(f"step: outcome {kind.decode()} -> {code}")
         event(f"step: leased {len(leased)} of {want}")
 
@@ -514,7 +516,7 @@ async def test_model_reference_sequence(q: Queue, clock: Clock) -> None:
     assert await add(JobSpec("a", 3, idempotency_key="k1")) == b
     c = await add(JobSpec("a", 4, priority=1, max_stalls=0))
 
-    async def step(now: int, want: int, outcomes: list[tuple[str, bytes, bytes, bytes, int]]) -> None:
+    async def step(now: int, want: int, outcomes: list[tuple[str, bytes, bytes, bytes, int, int]]) -> None:
         codes, next_due, leased = m.step(now, want, 100, "w", outcomes)
         reply = await q.step(now=now, want=want, lease_ms=100, worker_id="w", outcomes=outcomes)
         assert (reply.codes, reply.next_due, reply.jobs) == (codes, next_due, flat(leased))
@@ -527,7 +529,7 @@ async def test_model_reference_sequence(q: Queue, clock: Clock) -> None:
     now = clock.now
     d = await add(JobSpec("a", 5, priority=2))
     await step(now, 1, [])  # a (priority 1, first in line; b is not due)
-    await step(now + 100, 2, [(a, b"1", b"f", b"e", now + 150)])  # a retries later; b is due: b, c
+    await step(now + 100, 2, [(a, b"1", b"f", b"e", now + 150, -1)])  # a retries later; b is due: b, c
     assert [state(i)[0] for i in (a, b, c, d)] == [DELAYED, ACTIVE, ACTIVE, WAITING]
     assert await q.cancel(b) is True  # running: a cancel request
     m.cancel(clock.now, b)
@@ -538,25 +540,25 @@ async def test_model_reference_sequence(q: Queue, clock: Clock) -> None:
     assert await q.reap(now=now + 300) == m.reap(now + 300, 1000) == (0, 1)
     await assert_same(q, m)
     assert [state(i) for i in (b, c)] == [(CANCELLED, 1, 1, 0, 1), (DEAD, 1, 1, 0, 1)]
-    await step(now + 300, 3, [(b, b"1", b"x", b"", 0)])  # stale: refused; a due again: a, d
+    await step(now + 300, 3, [(b, b"1", b"x", b"", 0, -1)])  # stale: refused; a due again: a, d
     assert [state(i) for i in (a, d)] == [(ACTIVE, 2, 2, 1, 0), (ACTIVE, 1, 1, 0, 0)]
     assert await q.cancel(d) is True
     m.cancel(clock.now, d)
-    await step(now + 305, 0, [(d, b"1", b"f", b"e", now + 305)])  # a failure, but cancelled
+    await step(now + 305, 0, [(d, b"1", b"f", b"e", now + 305, -1)])  # a failure, but cancelled
     assert state(d) == (CANCELLED, 1, 1, 0, 0) and m.jobs[d].error == "e"
-    await step(now + 310, 0, [(a, b"2", b"f", b"e", 0)])  # attempts spent: dead
+    await step(now + 310, 0, [(a, b"2", b"f", b"e", 0, -1)])  # attempts spent: dead
     assert state(a) == (DEAD, 2, 2, 2, 0)
     assert await q.redrive() == m.redrive(m.ids(DEAD)).count(1) == 2  # c, then a
     await assert_same(q, m)
     await step(now + 320, 3, [])  # a and c, in line by priority and sequence
     assert [state(i) for i in (a, c)] == [(ACTIVE, 1, 3, 0, 0), (ACTIVE, 1, 2, 0, 0)]
-    await step(now + 325, 0, [(a, b"3", b"f", b"e", now + 325)])  # a retry due now: straight to waiting
+    await step(now + 325, 0, [(a, b"3", b"f", b"e", now + 325, -1)])  # a retry due now: straight to waiting
     assert state(a) == (WAITING, 1, 3, 1, 0) and m.jobs[a].due == now + 150  # (from the first retry)
     await step(now + 326, 1, [])
     # Results of exactly the event limit and one byte more: only the first travels in the event.
     limit = q.event_result_max_bytes
     fits, too_big = b'"' + b"x" * (limit - 2) + b'"', b'"' + b"x" * (limit - 1) + b'"'
-    await step(now + 330, 0, [(a, b"4", b"c", fits, 0), (c, b"2", b"c", too_big, 0)])
+    await step(now + 330, 0, [(a, b"4", b"c", fits, 0, -1), (c, b"2", b"c", too_big, 0, -1)])
     assert m.events[-2:] == [("completed", a, "result", fits.decode()), ("completed", c)]
     assert (await q.counts())["completed"] == 2
 
@@ -568,12 +570,12 @@ async def test_fencing_refuses_stale_token_after_reap(q: Queue, clock: Clock) ->
     assert await q.reap(now=T0 + 100) == (1, 0)  # a deadline equal to now has expired
     second = await q.step(now=T0 + 100, want=1, lease_ms=100, worker_id="w2")
     assert second.jobs[:2] == [job.id.encode(), 2]
-    late = (job.id, b"1", b"c", b"1", 0)
+    late = (job.id, b"1", b"c", b"1", 0, -1)
     assert (await q.step(now=T0 + 101, want=0, lease_ms=100, worker_id="w1", outcomes=[late])).codes == [0]
     assert await q.extend(now=T0 + 101, lease_ms=100, leases=[(job.id, b"1")]) == [0]
     rec = await q.get_job(job.id)
     assert rec is not None and rec.state == JobState.ACTIVE and rec.worker == "w2"
-    fresh = (job.id, b"2", b"c", b"1", 0)
+    fresh = (job.id, b"2", b"c", b"1", 0, -1)
     assert (await q.step(now=T0 + 102, want=0, lease_ms=100, worker_id="w2", outcomes=[fresh])).codes == [1]
     counts = await q.counts()
     assert (counts["stale_refused"], counts["completed"], counts["stalled"]) == (1, 1, 1)
@@ -588,7 +590,7 @@ async def test_retry_and_promotion_keep_place_in_line(q: Queue, clock: Clock) ->
     # Not yet due: second, fourth (priority 0), then third.
     r = await q.step(now=T0, want=1, lease_ms=100, worker_id="w")
     assert r.jobs[0] == second.id.encode() and r.next_due == T0 + 50
-    fail = (second.id, b"1", b"f", b"e", T0 + 60)
+    fail = (second.id, b"1", b"f", b"e", T0 + 60, -1)
     r = await q.step(now=T0 + 5, want=0, lease_ms=100, worker_id="w", outcomes=[fail])
     assert r.codes == [2] and r.next_due == T0 + 50
     assert await q.ids(JobState.WAITING) == [fourth.id, third.id]
@@ -601,14 +603,14 @@ async def test_retry_and_promotion_keep_place_in_line(q: Queue, clock: Clock) ->
 async def test_release_uncounts_the_attempt_but_a_stall_counts_it(q: Queue, clock: Clock) -> None:
     job = await q.add("a", max_attempts=2, max_stalls=5)
     await q.step(now=T0, want=1, lease_ms=100, worker_id="w")
-    release = (job.id, b"1", b"r", b"", 0)
+    release = (job.id, b"1", b"r", b"", 0, -1)
     r = await q.step(now=T0, want=1, lease_ms=100, worker_id="w", outcomes=[release])
     assert r.codes == [4] and r.jobs[4] == 1  # leased again as attempt 1
     assert await q.reap(now=T0 + 100) == (1, 0)
     r = await q.step(now=T0 + 100, want=1, lease_ms=100, worker_id="w")
     assert r.jobs[4] == 2  # the stalled lease was attempt 1
     # One failure, max_attempts 2: dead, since the stalled lease was a try.
-    fail = (job.id, b"3", b"f", b"e", T0 + 1000)
+    fail = (job.id, b"3", b"f", b"e", T0 + 1000, -1)
     r = await q.step(now=T0 + 100, want=0, lease_ms=100, worker_id="w", outcomes=[fail])
     assert r.codes == [3]
     rec = await q.get_job(job.id)
@@ -630,7 +632,7 @@ async def test_cancel_request_reaches_the_next_lease_renewal(q: Queue, clock: Cl
     await q.step(now=T0, want=1, lease_ms=100, worker_id="w")
     assert await q.cancel(job.id) is True
     assert await q.extend(now=T0 + 10, lease_ms=100, leases=[(job.id, b"1")]) == [2]
-    stop = (job.id, b"1", b"x", b"cancelled by request", 0)
+    stop = (job.id, b"1", b"x", b"cancelled by request", 0, -1)
     r = await q.step(now=T0 + 20, want=1, lease_ms=100, worker_id="w", outcomes=[stop])
     assert r.codes == [5] and r.jobs == []
     assert await q.cancel(job.id) is False
@@ -643,7 +645,7 @@ async def test_cancel_request_reaches_the_next_lease_renewal(q: Queue, clock: Cl
 async def test_redrive_resets_counts_but_keeps_the_token(q: Queue, clock: Clock) -> None:
     job = await q.add("a", max_attempts=1)
     await q.step(now=T0, want=1, lease_ms=100, worker_id="w")
-    fail = (job.id, b"1", b"f", b"e", T0 + 50)
+    fail = (job.id, b"1", b"f", b"e", T0 + 50, -1)
     assert (await q.step(now=T0, want=0, lease_ms=100, worker_id="w", outcomes=[fail])).codes == [3]
     dead = await q.get_job(job.id)
     assert dead is not None and (dead.attempt, dead.failures, dead.finished_ms) == (1, 1, T0)
@@ -663,7 +665,7 @@ async def test_idempotency_key_within_one_bulk_and_after_purge(q: Queue, clock: 
     a, b = await q.add_bulk([JobSpec("a", 1, idempotency_key="k1"), JobSpec("a", 2, idempotency_key="k1")])
     assert (a.id, a.created, b.id, b.created) == ("1", True, "1", False)
     await q.step(now=T0, want=1, lease_ms=100, worker_id="w")
-    await q.step(now=T0, want=0, lease_ms=100, worker_id="w", outcomes=[(a.id, b"1", b"p", b"e", 0)])
+    await q.step(now=T0, want=0, lease_ms=100, worker_id="w", outcomes=[(a.id, b"1", b"p", b"e", 0, -1)])
     assert await q.purge_dead() == 1
     assert await q.get_job(a.id) is None
     # The key outlives the purged job: the add is still answered with the old id.
@@ -688,7 +690,7 @@ async def test_a_requested_cancel_is_not_lost_when_the_attempt_ends_first(
         assert await q.reap(now=T0 + 100) == (0, 0)
     else:  # the handler failed (or was released) before its next renewal
         kind = {"retry": b"f", "release": b"r", "dead": b"p"}[ends_by]
-        ended = (job.id, b"1", kind, b"e", 0)
+        ended = (job.id, b"1", kind, b"e", 0, -1)
         reply = await q.step(now=T0 + 10, want=0, lease_ms=100, worker_id="w1", outcomes=[ended])
         assert reply.codes == [5]
     # The job must not be handed out again: it was cancelled.
@@ -710,6 +712,6 @@ async def test_a_completion_wins_over_a_requested_cancel(q: Queue, clock: Clock)
     job = await q.add("a")
     await q.step(now=T0, want=1, lease_ms=100, worker_id="w1")
     assert await q.cancel(job.id) is True
-    done = (job.id, b"1", b"c", b"1", 0)
+    done = (job.id, b"1", b"c", b"1", 0, -1)
     assert (await q.step(now=T0 + 1, want=0, lease_ms=100, worker_id="w1", outcomes=[done])).codes == [1]
     assert await job.result(timeout=5) == 1

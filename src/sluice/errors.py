@@ -20,6 +20,10 @@ error's message says what went wrong *and* what to do about it::
     ├── JobFailed                 Job.result(): the job ended in the dead-letter
     │                             queue; ``.error`` holds its last error
     ├── JobCancelled              Job.result(): the job was cancelled
+    ├── JobRejected               Job.result(): its budget could not admit it
+    │                             (on_exhausted="reject"); ``.reason`` says why
+    ├── BudgetError               a budget operation cannot be done (no such
+    │                             budget, it exists, bad parent or window)
     └── ResultTimeout             Job.result(): no outcome within the timeout
                                   (also a TimeoutError); the job goes on
 
@@ -27,23 +31,29 @@ Raised *by handlers* to steer the worker (not errors of Sluice itself)::
 
     PermanentError                do not retry: the job goes straight to the
                                   dead-letter queue with this error
+    Throttled                     the provider said "too many requests": the
+                                  queue pauses for ``retry_after`` seconds and
+                                  the job waits again, its attempt not counted
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "BudgetError",
     "ConfigurationError",
     "CorruptJobError",
     "InvalidJobError",
     "JobCancelled",
     "JobFailed",
     "JobNotFound",
+    "JobRejected",
     "JobStateError",
     "PayloadNotSerializable",
     "PayloadTooLarge",
     "PermanentError",
     "ResultTimeout",
     "SluiceError",
+    "Throttled",
     "UnknownJobName",
 ]
 
@@ -128,6 +138,22 @@ class JobCancelled(SluiceError):
         self.job_id = job_id
 
 
+class JobRejected(SluiceError):
+    """The job's budget could not admit its token estimate and its policy was to reject."""
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(
+            f"job {job_id!r} was rejected: {reason}. Top up the budget "
+            "(`Queue.budgets.top_up`) and add it again, or add jobs with on_exhausted='wait'."
+        )
+        self.job_id = job_id
+        self.reason = reason
+
+
+class BudgetError(SluiceError):
+    """A budget operation cannot be done; the message says what to change."""
+
+
 class ResultTimeout(SluiceError, TimeoutError):
     """No outcome arrived in time; the job itself is not affected and goes on."""
 
@@ -142,3 +168,22 @@ class ResultTimeout(SluiceError, TimeoutError):
 
 class PermanentError(Exception):
     """Raise from a handler when retrying cannot help: the job is dead-lettered now."""
+
+
+class Throttled(Exception):
+    """Raise from a handler when the provider answered 429 (rate limited).
+
+    The queue dispatches nothing for ``retry_after`` seconds (every worker, on
+    every machine), the job goes back to waiting at its priority with its
+    attempt and failure counts unchanged, and its token reservation is refunded.
+    """
+
+    def __init__(self, retry_after: float = 1.0, message: str = "") -> None:
+        if (
+            isinstance(retry_after, bool)
+            or not isinstance(retry_after, int | float)
+            or not (0 <= retry_after <= 86_400)
+        ):
+            raise ValueError(f"retry_after must be 0 to 86400 seconds, got {retry_after!r}")
+        super().__init__(message or f"provider rate limit; retry after {retry_after:g}s")
+        self.retry_after = float(retry_after)

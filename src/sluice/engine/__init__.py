@@ -1,8 +1,10 @@
 """The Redis engine: queues, workers, leases, retries, events. No HTTP, SQL or LLMs here."""
 
 from sluice.engine.backoff import Backoff
+from sluice.engine.budgets import Budgets, BudgetState, Reservation, Settlement
 from sluice.engine.context import JobContext
 from sluice.engine.events import Event
+from sluice.engine.flow import FlowState
 from sluice.engine.job import MAX_PRIORITY, JobRecord, JobSpec, JobState
 from sluice.engine.queue import Job, Queue
 from sluice.engine.worker import Worker
@@ -10,12 +12,17 @@ from sluice.engine.worker import Worker
 __all__ = [
     "MAX_PRIORITY",
     "Backoff",
+    "BudgetState",
+    "Budgets",
     "Event",
+    "FlowState",
     "Job",
     "JobContext",
     "JobRecord",
     "JobSpec",
     "JobState",
     "Queue",
+    "Reservation",
+    "Settlement",
     "Worker",
 ]

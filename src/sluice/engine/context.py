@@ -23,6 +23,7 @@ class JobContext:
         "payload",
         "queue",
         "token",
+        "usage",
         "worker_id",
     )
 
@@ -47,6 +48,21 @@ class JobContext:
         self.created_ms = created_ms
         self.worker_id = worker_id
         self.token = token
+        #: tokens this attempt used, as reported with record_usage (-1: not reported)
+        self.usage = -1
+
+    def record_usage(self, tokens: int) -> None:
+        """Report the tokens this attempt actually used (e.g. the provider's usage.total_tokens).
+
+        At completion the job's reservation is corrected to it: the rest of
+        the estimate goes back to its budget and to the token-rate window.
+        Report 0 when the provider was never called. Without a report, a
+        completed attempt keeps its whole estimate charged, and any other
+        outcome keeps it charged as "unknown outcome" (safe with money).
+        """
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"tokens must be an integer >= 0, got {tokens!r}")
+        self.usage = tokens
 
     @property
     def idempotency_key(self) -> str:

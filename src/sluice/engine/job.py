@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,10 @@ MAX_PRIORITY = 2**20 - 1
 MAX_ATTEMPTS = 1000
 MAX_NAME_LENGTH = 200
 MAX_IDEMPOTENCY_KEY_LENGTH = 400
+#: Token estimates are integers below 2**53 so Lua's doubles hold them exactly.
+MAX_TOKENS = 10**15
+ON_EXHAUSTED = ("reject", "wait")
+_BUDGET_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 
 
 class JobState(enum.StrEnum):
@@ -24,17 +29,21 @@ class JobState(enum.StrEnum):
 
     WAITING = "waiting"
     DELAYED = "delayed"
+    #: waiting for its budget to have room again (a top-up or a new window)
+    PARKED = "parked"
     ACTIVE = "active"
     COMPLETED = "completed"
     DEAD = "dead"
     CANCELLED = "cancelled"
+    #: its budget could not admit it and its policy was on_exhausted="reject"
+    REJECTED = "rejected"
 
     @property
     def finished(self) -> bool:
         return self in _TERMINAL
 
 
-_TERMINAL = frozenset({JobState.COMPLETED, JobState.DEAD, JobState.CANCELLED})
+_TERMINAL = frozenset({JobState.COMPLETED, JobState.DEAD, JobState.CANCELLED, JobState.REJECTED})
 
 
 def _seconds(what: str, value: object, *, allow_zero: bool) -> float:
@@ -64,6 +73,13 @@ class JobSpec:
     idempotency TTL) returns the first job instead of adding another.
     ``max_stalls``: how often the job's lease may expire (its worker died)
     before it is dead-lettered rather than run again.
+    ``tokens``: the job's token estimate (prompt + max output tokens), reserved
+    from the queue's token-rate limit and from ``budget`` when it is dispatched,
+    and corrected with the usage the handler reports.
+    ``budget``: the ledger budget the job spends from (and every budget above it).
+    ``on_exhausted``: when the budget cannot admit the estimate, "reject" ends
+    the job as rejected (not a failure); "wait" parks it until a top-up or a
+    new window.
     """
 
     name: str
@@ -75,6 +91,9 @@ class JobSpec:
     timeout: float | None = None
     idempotency_key: str | None = None
     max_stalls: int = 1
+    tokens: int = 0
+    budget: str | None = None
+    on_exhausted: str = "reject"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME_LENGTH:
@@ -96,6 +115,14 @@ class JobSpec:
                 "idempotency_key must be a non-empty string of at most "
                 f"{MAX_IDEMPOTENCY_KEY_LENGTH} characters, got {key!r}"
             )
+        _int("tokens", self.tokens, 0, MAX_TOKENS)
+        budget = self.budget
+        if budget is not None and (not isinstance(budget, str) or not _BUDGET_NAME.match(budget)):
+            raise InvalidJobError(
+                f"budget {self.budget!r} is not a budget name: use 1-100 characters from A-Z a-z 0-9 _ . : -"
+            )
+        if self.on_exhausted not in ON_EXHAUSTED:
+            raise InvalidJobError(f'on_exhausted must be "reject" or "wait", got {self.on_exhausted!r}')
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +150,15 @@ class JobRecord:
     error: str | None
     idempotency_key: str | None
     cancel_requested: bool
+    tokens: int = 0
+    budget: str | None = None
+    on_exhausted: str = "reject"
+    #: tokens the last attempt reported using (None: not reported)
+    usage: int | None = None
+    #: the last attempt's reservation id (see Budgets.reservation)
+    reservation: str | None = None
+    #: the budget a parked job waits for
+    parked_on: str | None = None
 
     @classmethod
     def from_hash(cls, job_id: str, raw: dict[bytes, bytes], idem_prefix: str = "") -> JobRecord:
@@ -190,6 +226,13 @@ class JobRecord:
             error=h["error"].decode() if "error" in h else None,
             idempotency_key=idem,
             cancel_requested="cancel" in h,
+            # Records written before budgets existed have no token fields.
+            tokens=num("tokens", optional=True) or 0,
+            budget=h["budget"].decode() if "budget" in h else None,
+            on_exhausted=h["on_ex"].decode() if "on_ex" in h else "reject",
+            usage=num("usage", optional=True),
+            reservation=h["rid"].decode() if "rid" in h else None,
+            parked_on=h["parked"].decode() if "parked" in h else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -212,4 +255,10 @@ class JobRecord:
             "result": self.result,
             "error": self.error,
             "idempotency_key": self.idempotency_key,
+            "tokens": self.tokens,
+            "budget": self.budget,
+            "on_exhausted": self.on_exhausted,
+            "usage": self.usage,
+            "reservation": self.reservation,
+            "parked_on": self.parked_on,
         }

@@ -14,6 +14,17 @@ single slot and run unchanged on Redis Cluster::
     <prefix>:{<queue>}:wake       zset    one marker member; idle workers block on it
     <prefix>:{<queue>}:stats      hash    cumulative counters (completed, failed, stalled, ...)
     <prefix>:{<queue>}:workers    hash    worker id -> JSON heartbeat (names it serves, seen at)
+    <prefix>:{<queue>}:control    hash    flow controls: paused, throttled_until, concurrency,
+                                          rate_max, rate_ms, tpm (1 = token-rate limit on)
+    <prefix>:{<queue>}:starts     zset    request-rate window: <id>:<token> -> start time (ms)
+    <prefix>:{<queue>}:budget:<b> hash    one budget of the token ledger ('#tpm': the token-rate limit)
+    <prefix>:{<queue>}:blog:<b>   zset    a rolling budget's reservations -> time reserved (ms)
+    <prefix>:{<queue>}:resv:<r>   hash    one reservation (<job id>:<token>, or the caller's id)
+    <prefix>:{<queue>}:parked:<b> zset    jobs waiting for budget <b> -> their waiting score
+    <prefix>:{<queue>}:parkedby   zset    budget with parked jobs -> when to try them again (ms)
+
+Budgets live in the queue's hash slot (a script may only touch one slot on a
+cluster), so a budget is shared by every worker of its queue, not across queues.
 """
 
 from __future__ import annotations
@@ -55,6 +66,13 @@ class QueueKeys:
     wake: str
     stats: str
     workers: str
+    control: str
+    starts: str
+    budget_prefix: str
+    budget_log_prefix: str
+    reservation_prefix: str
+    parked_prefix: str
+    parkedby: str
 
     @classmethod
     def for_queue(cls, queue: str, prefix: str = "sluice") -> QueueKeys:
@@ -74,7 +92,27 @@ class QueueKeys:
             wake=base + "wake",
             stats=base + "stats",
             workers=base + "workers",
+            control=base + "control",
+            starts=base + "starts",
+            budget_prefix=base + "budget:",
+            budget_log_prefix=base + "blog:",
+            reservation_prefix=base + "resv:",
+            parked_prefix=base + "parked:",
+            parkedby=base + "parkedby",
         )
+
+    @property
+    def flow(self) -> list[str]:
+        """The seven flow-control and ledger keys, in the order the scripts take them."""
+        return [
+            self.control,
+            self.starts,
+            self.budget_prefix,
+            self.budget_log_prefix,
+            self.reservation_prefix,
+            self.parked_prefix,
+            self.parkedby,
+        ]
 
     def job(self, job_id: str) -> str:
         return self.job_prefix + job_id

@@ -8,10 +8,12 @@ from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sluice.engine.backoff import DEFAULT_BACKOFF, Backoff
+from sluice.engine.budgets import Budgets
 from sluice.engine.clock import now_ms
 from sluice.engine.codec import JSONValue, decode, encode_limited
 from sluice.engine.connection import blocking_client, connect
 from sluice.engine.events import Event, ResultWaiter, follow
+from sluice.engine.flow import FlowControl
 from sluice.engine.job import JobRecord, JobSpec, JobState
 from sluice.engine.keys import QueueKeys, is_job_id
 from sluice.engine.scripts import Scripts
@@ -20,6 +22,7 @@ from sluice.errors import (
     JobCancelled,
     JobFailed,
     JobNotFound,
+    JobRejected,
     JobStateError,
     ResultTimeout,
     UnknownJobName,
@@ -42,11 +45,15 @@ _COUNTERS = (
     "released",
     "stale_refused",
     "orphaned",
+    "throttled",
+    "rejected",
+    "unknown_outcome",
 )
 
 
-#: One finished attempt as the worker reports it: (job id, token, kind, value, retry_at ms).
-Outcome = tuple[str, bytes, bytes, bytes, int]
+#: One finished attempt as the worker reports it:
+#: (job id, token, kind, value, retry_at ms, tokens used or -1).
+Outcome = tuple[str, bytes, bytes, bytes, int, int]
 
 
 class StepReply(NamedTuple):
@@ -91,6 +98,7 @@ class Job:
         """Wait for the job to finish and return its result, without polling.
 
         Raises JobFailed if it was dead-lettered, JobCancelled if cancelled,
+        JobRejected if its budget refused it,
         ResultTimeout after ``timeout`` seconds (the job itself goes on).
         """
         return await self.queue.wait_result(self.id, timeout)
@@ -99,8 +107,9 @@ class Job:
         return await self.queue.cancel(self.id)
 
 
-class Queue:
-    """One named queue on one Redis: the producer API.
+class Queue(FlowControl):
+    """One named queue on one Redis: the producer API, its flow controls
+    (:class:`~sluice.engine.flow.FlowControl`) and its token ledger (``queue.budgets``).
 
     ``redis`` is an asyncio client that the queue uses but does not own (close
     it yourself), or use :meth:`from_url`, which owns its client.
@@ -134,6 +143,8 @@ class Queue:
         self.events_maxlen = events_maxlen
         self.event_result_max_bytes = event_result_max_bytes
         self.scripts = Scripts(redis)
+        #: the token ledger of this queue (see sluice.engine.budgets)
+        self.budgets = Budgets(self)
         self._owns_redis = False
         self._blocking: Redis | None = None
         self._waiter: ResultWaiter | None = None
@@ -173,6 +184,9 @@ class Queue:
         timeout: float | None = None,
         idempotency_key: str | None = None,
         max_stalls: int = 1,
+        tokens: int = 0,
+        budget: str | None = None,
+        on_exhausted: str = "reject",
     ) -> Job:
         """Add one job; see :class:`JobSpec` for what each option means.
 
@@ -180,7 +194,18 @@ class Queue:
         queue's ``idempotency_ttl``) returns the first job, ``created=False``.
         """
         spec = JobSpec(
-            name, payload, priority, delay, max_attempts, backoff, timeout, idempotency_key, max_stalls
+            name,
+            payload,
+            priority,
+            delay,
+            max_attempts,
+            backoff,
+            timeout,
+            idempotency_key,
+            max_stalls,
+            tokens,
+            budget,
+            on_exhausted,
         )
         return (await self.add_bulk([spec]))[0]
 
@@ -216,6 +241,9 @@ class Queue:
             spec.backoff.to_json(),
             timeout_ms,
             spec.max_stalls,
+            spec.tokens,
+            spec.budget or "",
+            spec.on_exhausted,
         ]
 
     async def _add_chunk(self, specs: Sequence[JobSpec], encoded: list[list[Any]]) -> list[Job]:
@@ -270,18 +298,28 @@ class Queue:
     async def counts(self) -> dict[str, int]:
         """Jobs in each live state now, and cumulative counters since the queue began.
 
-        Live: waiting, delayed, active, dead. Cumulative: added, completed,
-        failed (attempts), retried, stalled, cancelled, released, dead_total,
-        stale_refused (late answers from workers that had lost their lease),
-        orphaned (queue entries whose record had vanished).
+        Live: waiting, delayed, parked (waiting for a budget), active, dead.
+        Cumulative: added, completed, failed (attempts), retried, stalled,
+        cancelled, released, dead_total, stale_refused (late answers from
+        workers that had lost their lease), orphaned (queue entries whose
+        record had vanished), throttled (attempts the provider refused),
+        rejected (jobs their budget refused), unknown_outcome (reservations
+        kept charged because the attempt's outcome is unknown).
         """
         k = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
             for key in (k.waiting, k.delayed, k.active, k.dead):
                 pipe.zcard(key)
             pipe.hgetall(k.stats)
-            waiting, delayed, active, dead, stats = await pipe.execute()
-        out = {"waiting": waiting, "delayed": delayed, "active": active, "dead": dead}
+            pipe.zrange(k.parkedby, 0, -1)
+            waiting, delayed, active, dead, stats, parked_on = await pipe.execute()
+        parked = 0
+        if parked_on:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name in parked_on:
+                    pipe.zcard(k.parked_prefix + name.decode())
+                parked = sum(await pipe.execute())
+        out = {"waiting": waiting, "delayed": delayed, "parked": parked, "active": active, "dead": dead}
         for name in _COUNTERS:
             out[name] = int(stats.get(name.encode(), 0))
         out["dead_total"] = int(stats.get(b"dead", 0))
@@ -342,6 +380,8 @@ class Queue:
             raise JobFailed(job_id, (error or b"").decode())
         if state == b"cancelled":
             raise JobCancelled(job_id)
+        if state == b"rejected":
+            raise JobRejected(job_id, (error or b"").decode())
         return False, None
 
     def _result_waiter(self) -> ResultWaiter:
@@ -361,12 +401,12 @@ class Queue:
 
     # ---- changing jobs -------------------------------------------------------------
     async def cancel(self, job_id: str) -> bool:
-        """Cancel a job: at once if waiting or delayed; a running job's worker is
+        """Cancel a job: at once if waiting, delayed or parked; a running job's worker is
         asked to stop it (at its next lease renewal). False if already finished."""
         self._check_id(job_id)
         k = self.keys
         code, _state = await self.scripts.cancel(
-            keys=[k.job(job_id), k.waiting, k.delayed, k.events, k.stats],
+            keys=[k.job(job_id), k.waiting, k.delayed, k.events, k.stats, k.parked_prefix],
             args=[now_ms(), job_id, self.events_maxlen, self.keep_finished_ms],
         )
         if code == -1:
@@ -421,9 +461,10 @@ class Queue:
     ) -> StepReply:
         """Record ``outcomes`` (fenced by token), promote due jobs, lease up to ``want``.
 
-        An outcome is ``(job_id, token, kind, value, retry_at_ms)`` with kind
-        b"c" completed, b"f" failed, b"p" failed permanently, b"r" released,
-        b"x" cancelled (see lua/includes/finish.lua). Returns the per-outcome
+        An outcome is ``(job_id, token, kind, value, retry_at_ms, tokens_used)``
+        with kind b"c" completed, b"f" failed, b"p" failed permanently, b"r"
+        released, b"x" cancelled, b"t" throttled (value: retry after, ms), and
+        tokens_used -1 when not reported (see lua/includes/finish.lua). Returns the per-outcome
         codes, the next delayed due time (ms, or -1) and the leased jobs as
         flat 9-value groups (see lua/includes/dispatch.lua).
         """
@@ -441,7 +482,7 @@ class Queue:
         script (see runner.py), and parses the answer with :meth:`StepReply.parse`.
         """
         k = self.keys
-        keys = [k.waiting, k.delayed, k.active, k.events, k.stats, k.wake, k.job_prefix, k.dead]
+        keys = [k.waiting, k.delayed, k.active, k.events, k.stats, k.wake, k.job_prefix, k.dead, *k.flow]
         args: list[Any] = [
             now,
             want,
@@ -472,7 +513,7 @@ class Queue:
         """Return expired leases to waiting (or dead); returns (returned, dead-lettered)."""
         k = self.keys
         back, dead = await self.scripts.reap(
-            keys=[k.active, k.waiting, k.dead, k.events, k.stats, k.wake, k.job_prefix],
+            keys=[k.active, k.waiting, k.dead, k.events, k.stats, k.wake, k.job_prefix, *k.flow],
             args=[now, limit, self.events_maxlen, self.keep_finished_ms],
         )
         return int(back), int(dead)

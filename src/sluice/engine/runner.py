@@ -32,7 +32,7 @@ from sluice.engine.codec import decode, encode
 from sluice.engine.connection import MAX_BLOCK, blocking_client
 from sluice.engine.context import JobContext
 from sluice.engine.queue import StepReply
-from sluice.errors import CorruptJobError, PayloadNotSerializable, PermanentError
+from sluice.errors import CorruptJobError, PayloadNotSerializable, PermanentError, Throttled
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -290,7 +290,7 @@ class Runner:
             # rather than let it stall and come back forever.
             error = CorruptJobError(job_id, f"unreadable fields at dispatch: {exc}")
             log.error("job record unreadable; dead-lettered", worker=self.wid, job=job_id, error=str(exc))
-            self.done.append((job_id, f[1], b"p", str(error).encode(), 0))
+            self.done.append((job_id, f[1], b"p", str(error).encode(), 0, -1))
             self.kick.set()
             return
         job = _Running(ctx, f[1])
@@ -314,9 +314,9 @@ class Runner:
                 del self.running[ctx.id]
             self.kick.set()
         if outcome is not None:
-            self.done.append((ctx.id, job.token, *outcome))
+            self.done.append((ctx.id, job.token, *outcome, ctx.usage))
 
-    async def _attempt(
+    async def _attempt(  # noqa: PLR0911 - one return per outcome kind
         self, ctx: JobContext, handler: Handler | None, timeout: float | None, backoff: bytes
     ) -> tuple[bytes, bytes, int]:
         """Run one attempt; returns (kind, value, retry_at) for the dispatch script."""
@@ -344,6 +344,14 @@ class Runner:
             return b"c", encode(result, "result"), 0
         except (PermanentError, PayloadNotSerializable) as exc:
             return self._dead(ctx, _describe(exc))
+        except Throttled as exc:
+            log.info(
+                "provider throttled; the queue pauses and the job waits again",
+                worker=self.wid,
+                job=ctx.id,
+                retry_after_s=exc.retry_after,
+            )
+            return b"t", b"%d" % round(exc.retry_after * 1000), 0
         except Exception as exc:  # noqa: BLE001 - any handler error is the job's failure
             if ctx.attempt >= ctx.max_attempts:
                 return self._dead(ctx, _describe(exc), kind=b"f")

@@ -27,7 +27,19 @@ if TYPE_CHECKING:
 _INCLUDE = re.compile(r"^--\s*@include\s+([A-Za-z0-9_]+)\s*$", re.MULTILINE)
 
 #: The command scripts the engine uses (file names without ``.lua``).
-COMMANDS = ("add", "dispatch", "extend", "reap", "cancel", "redrive", "purge")
+COMMANDS = (
+    "add",
+    "dispatch",
+    "extend",
+    "reap",
+    "cancel",
+    "redrive",
+    "purge",
+    "budget_put",
+    "budget_read",
+    "reserve",
+    "settle",
+)
 
 
 def _read(relative: str) -> str:
@@ -89,3 +101,7 @@ class Scripts:
         self.cancel: AsyncScript = redis.register_script(source("cancel"))
         self.redrive: AsyncScript = redis.register_script(source("redrive"))
         self.purge: AsyncScript = redis.register_script(source("purge"))
+        self.budget_put: AsyncScript = redis.register_script(source("budget_put"))
+        self.budget_read: AsyncScript = redis.register_script(source("budget_read"))
+        self.reserve: AsyncScript = redis.register_script(source("reserve"))
+        self.settle: AsyncScript = redis.register_script(source("settle"))

@@ -5,8 +5,9 @@
 -- KEYS[7 + k]   the k-th idempotency key named by the jobs below
 -- ARGV[1] now (ms)  ARGV[2] events stream max length  ARGV[3] idempotency TTL (ms)
 -- ARGV[4] number of jobs n
--- ARGV[5 + 9 * (i - 1) ...] per job: name, payload (JSON), priority, delay (ms),
+-- ARGV[5 + 12 * (i - 1) ...] per job: name, payload (JSON), priority, delay (ms),
 --   max_attempts, backoff (JSON), timeout (ms, 0 = worker default), max_stalls,
+--   token estimate, budget name ('' = none), on_exhausted ('reject' | 'wait'),
 --   idempotency key index k (0 = none)
 --
 -- Returns {id_1, created_1, id_2, created_2, ...}: created is 1 for a new job
@@ -23,8 +24,8 @@ local n = tonumber(ARGV[4])
 local out = {}
 local added, woke = 0, false
 for i = 1, n do
-  local a = 5 + 9 * (i - 1)
-  local idem_k = tonumber(ARGV[a + 8])
+  local a = 5 + 12 * (i - 1)
+  local idem_k = tonumber(ARGV[a + 11])
   local existing = false
   if idem_k > 0 then existing = redis.call('GET', KEYS[7 + idem_k]) end
   if existing then
@@ -41,7 +42,8 @@ for i = 1, n do
     redis.call('HSET', jk, 'v', 1, 'name', ARGV[a], 'payload', ARGV[a + 1],
       'priority', ARGV[a + 2], 'score', score, 'state', state, 'attempt', 0, 'token', 0,
       'failures', 0, 'stalls', 0, 'max_attempts', ARGV[a + 4], 'backoff', ARGV[a + 5],
-      'timeout_ms', ARGV[a + 6], 'max_stalls', ARGV[a + 7], 'created', now)
+      'timeout_ms', ARGV[a + 6], 'max_stalls', ARGV[a + 7], 'created', now, 'tokens', ARGV[a + 8])
+    if ARGV[a + 9] ~= '' then redis.call('HSET', jk, 'budget', ARGV[a + 9], 'on_ex', ARGV[a + 10]) end
     if delay > 0 then
       redis.call('HSET', jk, 'due', now + delay)
       redis.call('ZADD', KEYS[3], now + delay, id)

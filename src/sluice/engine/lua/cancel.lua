@@ -1,10 +1,11 @@
 -- cancel: cancel one job that has not finished.
 --
 -- KEYS[1] job key   KEYS[2] waiting   KEYS[3] delayed   KEYS[4] events   KEYS[5] stats
+-- KEYS[6] prefix of the parked-jobs sets of budgets (parked:<budget>)
 -- ARGV[1] now (ms)  ARGV[2] job id  ARGV[3] events stream max length
 -- ARGV[4] keep finished records (ms, 0 = forever)
 --
--- Returns {code, state}: 1 cancelled (it was waiting or delayed); 2 a cancel was
+-- Returns {code, state}: 1 cancelled (it was waiting, delayed or parked); 2 a cancel was
 -- requested from the running worker, which stops the handler at its next lease
 -- renewal; 0 nothing done (state is terminal); -1 no such job.
 
@@ -12,9 +13,14 @@
 
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {-1, ''} end
-if state == 'waiting' or state == 'delayed' then
+if state == 'waiting' or state == 'delayed' or state == 'parked' then
   redis.call('ZREM', KEYS[2], ARGV[2])
   redis.call('ZREM', KEYS[3], ARGV[2])
+  local budget = redis.call('HGET', KEYS[1], 'parked')
+  if budget then
+    redis.call('ZREM', KEYS[6] .. budget, ARGV[2])
+    redis.call('HDEL', KEYS[1], 'parked')
+  end
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished', ARGV[1])
   if tonumber(ARGV[4]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
   redis.call('HINCRBY', KEYS[5], 'cancelled', 1)

@@ -3,26 +3,36 @@
 --
 -- KEYS[1] active   KEYS[2] waiting   KEYS[3] dead   KEYS[4] events
 -- KEYS[5] stats    KEYS[6] wake      KEYS[7] job key prefix
+-- KEYS[8 .. 14]    flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
 -- ARGV[1] now (ms)  ARGV[2] most jobs to reap in this call
 -- ARGV[3] events stream max length  ARGV[4] keep finished records (ms, 0 = forever)
 --
 -- A job whose cancellation was requested is cancelled instead of returned.
+-- The attempt's token reservation stays charged, as an "unknown outcome": the
+-- handler may have called the provider before its worker was lost.
 -- Returns {returned to waiting, dead-lettered}. The stale worker's late answer
 -- is refused afterwards because the token no longer matches an active lease.
 
 -- @include emit
 -- @include wake
+-- @include ledger
+
+local K = with_flow_keys({}, 8)
 
 local now = tonumber(ARGV[1])
 local maxlen = ARGV[3]
 local keep_ms = tonumber(ARGV[4])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
-local back, dead, cancelled = 0, 0, 0
+local back, dead, cancelled, unknown = 0, 0, 0, 0
 for i = 1, #expired do
   local id = expired[i]
   local jk = KEYS[7] .. id
   redis.call('ZREM', KEYS[1], id)
-  local f = redis.call('HMGET', jk, 'score', 'max_stalls', 'worker', 'stalls', 'cancel')
+  local f = redis.call('HMGET', jk, 'score', 'max_stalls', 'worker', 'stalls', 'cancel', 'rid')
+  if f[6] then
+    local _, changed = settle(K, f[6], 'unknown', -1, now)
+    if changed then unknown = unknown + 1 end
+  end
   if f[1] then
     local stalls = (tonumber(f[4]) or 0) + 1
     redis.call('HSET', jk, 'stalls', stalls)
@@ -53,4 +63,5 @@ if back + dead + cancelled > 0 then
   if dead > 0 then redis.call('HINCRBY', KEYS[5], 'dead', dead) end
   wake_if_waiting(KEYS[2], KEYS[6])
 end
+if unknown > 0 then redis.call('HINCRBY', KEYS[5], 'unknown_outcome', unknown) end
 return {back, dead}

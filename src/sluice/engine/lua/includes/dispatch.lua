@@ -1,20 +1,56 @@
--- The dispatch step shared by dispatch.lua and finish.lua.
+-- The dispatch step shared by dispatch.lua and finish.lua: admission control.
 --
 -- promote_due(K, now): moves delayed jobs whose time has come to waiting, at
---   the waiting score they were given when added (their place in line).
--- take_jobs(K, now, max_jobs, lease_ms, worker, maxlen, out): takes up to
---   max_jobs best waiting jobs, leases them to `worker` until now + lease_ms,
---   and appends 9 values per job to `out`:
+--   the waiting score they were given when added (their place in line), and
+--   jobs parked on a budget whose window turned (or rolled) back to waiting.
+-- load_gates(K, now) -> G: the queue's flow controls, read once per call.
+-- queue_wait(K, G, now): 0 if the queue-wide gates admit a job now; else when
+--   they may (ms), or -1 if only an event can open them (resume, a freed slot).
+-- take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C) -> taken, wait:
+--   takes up to max_jobs waiting jobs, best first, each only if every gate
+--   admits it: not paused or throttled, below the global concurrency, room in
+--   the request-rate window, in the token-rate window and in the job's
+--   budget(s), reserved at once on every level. A job whose budget refuses it
+--   is rejected or parked (its on_exhausted policy) and the next one is
+--   considered; a queue-wide gate stops the step (strict priority order).
+--   Appends 9 values per job to `out`:
 --     id, token, name, payload, attempt, max_attempts, timeout_ms, backoff, created
--- next_due(K): the due time of the earliest delayed job, or -1.
+--   `wait` is 0 when nothing refused, else as for queue_wait.
+-- next_due(K, wait): the earliest time something may become runnable without
+--   any other event: a delayed job, a parked budget's retry time, or `wait`.
 --
 -- K is a table of key names: waiting, delayed, active, events, stats, jobp
--- (the job key prefix; job keys are jobp .. id, ids produced by Redis itself).
---
--- Admission gates (concurrency, rates, budgets) belong in take_jobs, so that a
--- job is only ever taken when every gate admits it.
+-- (the job key prefix; job keys are jobp .. id, ids produced by Redis itself),
+-- control, starts, and the ledger's prefixes (see ledger.lua): budp, logp,
+-- resvp, parkp (parked jobs of one budget: parkp .. name) and parkedby (budget
+-- name -> when its parked jobs may be tried again). K.maxlen, K.keep_ms too.
+
+-- @include ledger
+
+-- Moves every job parked on budget `name` back to waiting, in its place in line.
+local function unpark(K, name)
+  local pk = K.parkp .. name
+  local parked = redis.call('ZRANGE', pk, 0, -1, 'WITHSCORES')
+  for i = 1, #parked, 2 do
+    local jk = K.jobp .. parked[i]
+    if redis.call('HGET', jk, 'state') == 'parked' then
+      redis.call('HSET', jk, 'state', 'waiting')
+      redis.call('HDEL', jk, 'parked')
+      redis.call('ZADD', K.waiting, parked[i + 1], parked[i])
+    end
+  end
+  redis.call('DEL', pk)
+  redis.call('ZREM', K.parkedby, name)
+  return #parked / 2
+end
+
+local function unpark_due(K, now)
+  local names = redis.call('ZRANGEBYSCORE', K.parkedby, '-inf', now, 'LIMIT', 0, 100)
+  for i = 1, #names do unpark(K, names[i]) end
+end
 
 local function promote_due(K, now)
+  unpark_due(K, now)
   local due = redis.call('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 500)
   if #due == 0 then return 0 end
   for i = 1, #due do
@@ -29,47 +65,177 @@ local function promote_due(K, now)
   return #due
 end
 
-local function take_jobs(K, now, max_jobs, lease_ms, worker, maxlen, out)
-  if max_jobs <= 0 then return 0 end
-  local popped = redis.call('ZPOPMIN', K.waiting, max_jobs)
-  local taken, orphans = 0, 0
-  local deadline = now + lease_ms
-  for i = 1, #popped, 2 do
-    local id = popped[i]
-    local jk = K.jobp .. id
-    local f = redis.call('HMGET', jk, 'name', 'payload', 'max_attempts', 'timeout_ms', 'backoff', 'created',
-                         'attempt', 'token')
-    if f[1] then
-      -- Counters that do not parse (a record damaged by another writer) restart
-      -- from zero rather than fail the whole call; the worker checks the rest.
-      local attempt = (tonumber(f[7]) or 0) + 1
-      local token = (tonumber(f[8]) or 0) + 1
-      redis.call('HSET', jk, 'state', 'active', 'started', now, 'worker', worker,
-                 'attempt', attempt, 'token', token)
-      redis.call('ZADD', K.active, deadline, id)
-      emit(K.events, maxlen, 'active', id, 'worker', worker)
-      local n = #out
-      out[n + 1] = id
-      out[n + 2] = token
-      out[n + 3] = f[1]
-      out[n + 4] = f[2]
-      out[n + 5] = attempt
-      out[n + 6] = f[3]
-      out[n + 7] = f[4]
-      out[n + 8] = f[5]
-      out[n + 9] = f[6]
-      taken = taken + 1
-    else
-      -- The record is gone (deleted by hand, or evicted): nothing to run.
-      orphans = orphans + 1
-    end
+local function load_gates(K, now)
+  local f = redis.call('HMGET', K.control, 'paused', 'throttled_until', 'concurrency', 'rate_max',
+                       'rate_ms', 'tpm')
+  local G = {paused = f[1] == '1', until_ms = tonumber(f[2]) or 0, conc = tonumber(f[3]),
+             rate_max = tonumber(f[4]), rate_ms = tonumber(f[5]) or 0, tpm = nil, cache = {}}
+  if G.conc then G.active = redis.call('ZCARD', K.active) end
+  if G.rate_max then
+    redis.call('ZREMRANGEBYSCORE', K.starts, '-inf', now - G.rate_ms)
+    G.starts = redis.call('ZCARD', K.starts)
   end
-  if orphans > 0 then redis.call('HINCRBY', K.stats, 'orphaned', orphans) end
-  return taken
+  if f[6] == '1' then G.tpm = load_budget(K, '#tpm', now) end
+  return G
 end
 
-local function next_due(K)
+local function queue_wait(K, G, now)
+  if G.paused then return -1 end
+  if G.until_ms > now then return G.until_ms end
+  if G.conc and G.active >= G.conc then return -1 end
+  if G.rate_max and G.starts >= G.rate_max then
+    local first = redis.call('ZRANGE', K.starts, 0, 0, 'WITHSCORES')
+    return tonumber(first[2]) + G.rate_ms
+  end
+  return 0
+end
+
+-- The job's budget and those above it, loaded once per script call.
+local function cached_chain(K, G, name, now)
+  local c = G.cache[name]
+  if c == nil then
+    local chain, missing = budget_chain(K, name, now)
+    c = {chain = chain, missing = missing}
+    -- Budgets met again through another job's chain must be the same tables,
+    -- so a reservation made for one job is seen by the next.
+    if chain then
+      for i = 1, #chain do
+        local seen = G.cache['#level:' .. chain[i].name]
+        if seen then chain[i] = seen else G.cache['#level:' .. chain[i].name] = chain[i] end
+      end
+    end
+    G.cache[name] = c
+  end
+  return c.chain, c.missing
+end
+
+local function reject_job(K, jk, id, reason, now, C)
+  redis.call('HSET', jk, 'state', 'rejected', 'finished', now, 'error', reason)
+  if K.keep_ms > 0 then redis.call('PEXPIRE', jk, K.keep_ms) end
+  C.rejected = C.rejected + 1
+  emit(K.events, K.maxlen, 'rejected', id, 'reason', reason)
+end
+
+local function park_job(K, jk, id, score, b, need, now)
+  redis.call('ZADD', K.parkp .. b.name, score, id)
+  redis.call('HSET', jk, 'state', 'parked', 'parked', b.name)
+  local at = budget_retry_at(K, b, need, now)
+  if at < 0 then at = '+inf' end
+  redis.call('ZADD', K.parkedby, 'LT', at, b.name)
+  emit(K.events, K.maxlen, 'parked', id, 'budget', b.name)
+end
+
+-- Gates that depend on the job: the token-rate window and its budget(s).
+-- Returns 'take' and the levels to reserve on; 'skip' (rejected or parked);
+-- or 'block' and when the queue may go on (the token-rate window is full).
+local function admit_job(K, G, jk, id, f, now, C)
+  local tokens = tonumber(f[9]) or 0
+  local levels = {}
+  local tpm = G.tpm
+  if tpm then
+    if tokens > tpm.limit then
+      reject_job(K, jk, id, 'token estimate ' .. tokens .. ' exceeds the queue token-rate limit of '
+                 .. tpm.limit .. '; split the job or raise the limit', now, C)
+      return 'skip'
+    end
+    if tpm.used + tokens > tpm.limit then return 'block', roll_free_at(K, tpm, tokens) end
+  end
+  local budget = f[10]
+  if budget then
+    local chain, missing = cached_chain(K, G, budget, now)
+    if not chain then
+      reject_job(K, jk, id, 'no budget named ' .. missing .. '; create it before adding jobs that use it',
+                 now, C)
+      return 'skip'
+    end
+    local refusing = refusing_level(chain, tokens)
+    if refusing then
+      if f[11] == 'wait' then
+        park_job(K, jk, id, f[12], refusing, tokens, now)
+      else
+        reject_job(K, jk, id, 'budget ' .. refusing.name .. ' cannot admit ' .. tokens .. ' tokens ('
+                   .. math.max(refusing.limit - refusing.used, 0) .. ' of ' .. refusing.limit
+                   .. ' left)', now, C)
+        redis.call('HINCRBY', refusing.key, 'rejected', 1)
+      end
+      return 'skip'
+    end
+    for i = 1, #chain do levels[#levels + 1] = chain[i] end
+  end
+  if tpm then levels[#levels + 1] = tpm end
+  return 'take', levels
+end
+
+local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
+  local wait = queue_wait(K, G, now)
+  if max_jobs <= 0 or wait ~= 0 then return 0, wait end
+  local taken, examined = 0, 0
+  local deadline = now + lease_ms
+  while taken < max_jobs and examined < 1000 do
+    local head = redis.call('ZRANGE', K.waiting, 0, max_jobs - taken - 1)
+    if #head == 0 then break end
+    for i = 1, #head do
+      wait = queue_wait(K, G, now)
+      if wait ~= 0 then return taken, wait end
+      examined = examined + 1
+      local id = head[i]
+      local jk = K.jobp .. id
+      local f = redis.call('HMGET', jk, 'name', 'payload', 'max_attempts', 'timeout_ms', 'backoff',
+                           'created', 'attempt', 'token', 'tokens', 'budget', 'on_ex', 'score')
+      if not f[1] then
+        -- The record is gone (deleted by hand, or evicted): nothing to run.
+        redis.call('ZREM', K.waiting, id)
+        C.orphaned = C.orphaned + 1
+      else
+        local verdict, levels = admit_job(K, G, jk, id, f, now, C)
+        if verdict == 'block' then return taken, levels end
+        redis.call('ZREM', K.waiting, id)
+        if verdict == 'take' then
+          -- Counters that do not parse (a record damaged by another writer) restart
+          -- from zero rather than fail the whole call; the worker checks the rest.
+          local attempt = (tonumber(f[7]) or 0) + 1
+          local token = (tonumber(f[8]) or 0) + 1
+          redis.call('HSET', jk, 'state', 'active', 'started', now, 'worker', worker,
+                     'attempt', attempt, 'token', token)
+          if #levels > 0 then
+            local rid = id .. ':' .. token
+            reserve(K, rid, id, levels, tonumber(f[9]) or 0, now)
+            redis.call('HSET', jk, 'rid', rid)
+          end
+          redis.call('ZADD', K.active, deadline, id)
+          if G.conc then G.active = G.active + 1 end
+          if G.rate_max then
+            redis.call('ZADD', K.starts, now, id .. ':' .. token)
+            G.starts = G.starts + 1
+          end
+          emit(K.events, K.maxlen, 'active', id, 'worker', worker)
+          local n = #out
+          out[n + 1] = id
+          out[n + 2] = token
+          out[n + 3] = f[1]
+          out[n + 4] = f[2]
+          out[n + 5] = attempt
+          out[n + 6] = f[3]
+          out[n + 7] = f[4]
+          out[n + 8] = f[5]
+          out[n + 9] = f[6]
+          taken = taken + 1
+        end
+      end
+    end
+  end
+  return taken, 0
+end
+
+local function next_due(K, wait)
+  local due = -1
   local first = redis.call('ZRANGE', K.delayed, 0, 0, 'WITHSCORES')
-  if #first == 0 then return -1 end
-  return tonumber(first[2])
+  if #first > 0 then due = tonumber(first[2]) end
+  local parked = redis.call('ZRANGE', K.parkedby, 0, 0, 'WITHSCORES')
+  if #parked > 0 and parked[2] ~= 'inf' then
+    local at = tonumber(parked[2])
+    if due < 0 or at < due then due = at end
+  end
+  if wait > 0 and (due < 0 or wait < due) then due = wait end
+  return due
 end

@@ -1,5 +1,6 @@
--- finish_one(K, jk, id, token, kind, value, retry_at, now, C) -> code
--- Records the outcome of one leased job, fenced by its attempt token.
+-- finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C) -> code
+-- Records the outcome of one leased job, fenced by its attempt token, and
+-- settles the attempt's token reservation (if it has one).
 --
 -- kind: 'c' completed (value = result JSON)
 --       'f' failed (value = error text; retried at retry_at while attempts
@@ -7,21 +8,46 @@
 --       'p' failed permanently (dead-lettered now)
 --       'r' released unfinished (back to waiting; the attempt is not counted)
 --       'x' cancelled while running (after a cancel request)
+--       't' throttled by the provider (value = retry after, ms): the queue
+--           dispatches nothing until then; the job goes back to waiting at
+--           its priority, its attempt not counted, its reservation refunded
+-- usage: tokens the attempt used as the handler reported them, or -1. The
+-- reservation is committed with it; without it, a completed attempt keeps
+-- its estimate charged, and any other outcome keeps it charged as an
+-- "unknown outcome" (the provider may have been called). A throttled attempt
+-- is refunded: the provider refused the call.
 -- A job whose cancellation was requested ends cancelled unless it completed.
 -- Returns 1 completed, 2 retry scheduled, 3 dead-lettered, 4 released,
--- 5 cancelled, 0 refused (token stale or job no longer active), -1 no such job.
+-- 5 cancelled, 6 throttled, 0 refused (token stale or job no longer active),
+-- -1 no such job.
 -- C accumulates counters, written once per script call by flush_counts.
 -- K also needs: dead, keep_ms, maxlen, ev_result_max.
 
-local function finish_one(K, jk, id, token, kind, value, retry_at, now, C)
+-- @include ledger
+
+local function settle_attempt(K, jk, rid, kind, usage, now, C)
+  if usage >= 0 then redis.call('HSET', jk, 'usage', usage) end
+  if not rid then return end
+  local how = 'commit'
+  if kind == 't' then
+    how = 'refund'
+  elseif kind ~= 'c' and usage < 0 then
+    how = 'unknown'
+  end
+  local _, changed = settle(K, rid, how, usage, now)
+  if changed and how == 'unknown' then C.unknown_outcome = C.unknown_outcome + 1 end
+end
+
+local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C)
   local cur = redis.call('HMGET', jk, 'state', 'token', 'attempt', 'max_attempts', 'failures', 'score',
-                         'cancel')
+                         'cancel', 'rid')
   if not cur[1] then return -1 end
   if cur[1] ~= 'active' or cur[2] ~= token then
     C.stale_refused = C.stale_refused + 1
     return 0
   end
   redis.call('ZREM', K.active, id)
+  settle_attempt(K, jk, cur[8], kind, usage, now, C)
   -- A record whose numbers do not parse (damaged by another writer) must not
   -- fail the whole batch: missing numbers count as 0, a missing score dead-letters.
   local attempt = tonumber(cur[3]) or 0
@@ -48,15 +74,24 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, now, C)
     C.cancelled = C.cancelled + 1
     emit(K.events, K.maxlen, 'cancelled', id)
     return 5
-  elseif kind == 'r' and score then
+  elseif (kind == 'r' or kind == 't') and score then
     redis.call('HSET', jk, 'state', 'waiting', 'attempt', math.max(attempt - 1, 0))
     redis.call('ZADD', K.waiting, score, id)
-    C.released = C.released + 1
-    emit(K.events, K.maxlen, 'released', id)
-    return 4
+    if kind == 'r' then
+      C.released = C.released + 1
+      emit(K.events, K.maxlen, 'released', id)
+      return 4
+    end
+    local retry_after = math.max(tonumber(value) or 0, 0)
+    local until_ms = now + retry_after
+    local cur_until = tonumber(redis.call('HGET', K.control, 'throttled_until')) or 0
+    if until_ms > cur_until then redis.call('HSET', K.control, 'throttled_until', until_ms) end
+    C.throttled = C.throttled + 1
+    emit(K.events, K.maxlen, 'throttled', id, 'retry_after_ms', retry_after)
+    return 6
   end
   -- kind 'f' or 'p': a failed attempt
-  if kind == 'r' then value = 'record has no waiting score; cannot be released' end
+  if kind == 'r' or kind == 't' then value = 'record has no waiting score; cannot be released' end
   redis.call('HSET', jk, 'failures', (tonumber(cur[5]) or 0) + 1)
   C.failed = C.failed + 1
   emit(K.events, K.maxlen, 'failed', id, 'error', value)
@@ -80,8 +115,8 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, now, C)
 end
 
 local function new_counts()
-  return {completed = 0, failed = 0, dead = 0, retried = 0, released = 0,
-          cancelled = 0, stale_refused = 0}
+  return {completed = 0, failed = 0, dead = 0, retried = 0, released = 0, cancelled = 0,
+          stale_refused = 0, throttled = 0, rejected = 0, orphaned = 0, unknown_outcome = 0}
 end
 
 local function flush_counts(stats_key, C)

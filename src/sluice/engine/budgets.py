@@ -1,0 +1,296 @@
+"""The token ledger: budgets with limits, windows and parents, and reservations.
+
+Every change is one Lua script (lua/budget_put.lua, reserve.lua, settle.lua),
+so no interleaving of workers can admit more tokens than a limit: the check
+and the charge happen in one step on every level of the hierarchy. A naive
+gate (read the balance, decide, write it back) lets every worker that read
+the same balance through; the lab (``sluice bench lab naive``) shows it.
+
+Jobs added with ``budget=`` are reserved for by the dispatch script itself;
+:meth:`Budgets.reserve` is for code that calls a provider outside a job.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sluice.engine.clock import now_ms
+from sluice.engine.job import MAX_TOKENS
+from sluice.errors import BudgetError
+
+if TYPE_CHECKING:
+    from sluice.engine.queue import Queue
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+_RID = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+#: Rolling windows are kept at most this long (their reservations are kept 8 days).
+MAX_ROLLING_SECONDS = 7 * 86_400
+#: Budgets above one another; deeper hierarchies are refused.
+MAX_DEPTH = 8
+#: The budget that implements the queue's token-rate limit (no user name starts with '#').
+TOKEN_RATE_BUDGET = "#tpm"  # noqa: S105 - a key name, not a secret
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetState:
+    """One budget as it stands now (its window moved on first). Times are Unix ms.
+
+    ``used`` counts held reservations and committed usage in the current window;
+    ``remaining`` is ``limit - used`` and never below zero. ``resets_at_ms``:
+    when the calendar window turns, or when the oldest charge leaves a rolling
+    window (None: no window, or nothing to expire).
+    """
+
+    name: str
+    limit: int
+    used: int
+    remaining: int
+    window: str | None
+    window_seconds: float | None
+    parent: str | None
+    accepted: int
+    rejected: int
+    unknown_outcomes: int
+    parked: int
+    resets_at_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """The answer to :meth:`Budgets.reserve`."""
+
+    id: str
+    accepted: bool
+    #: what the named budget has left after the call
+    remaining: int
+    #: the budget (this one or one above it) that could not admit the tokens
+    refused_by: str | None = None
+    #: this id had been reserved before; nothing was charged again
+    duplicate: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """The answer to :meth:`Budgets.commit` and :meth:`Budgets.refund`."""
+
+    id: str
+    #: held, committed, refunded, unknown, or missing (no such reservation)
+    state: str
+    #: False when the reservation had been settled before (the call changed nothing)
+    changed: bool
+    #: tokens the reservation charges now
+    charged: int
+    #: usage beyond what the budgets could still admit, reported but not charged
+    over: int
+
+
+def check_budget_name(name: object) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise BudgetError(
+            f"budget name {name!r} is not usable: use 1-100 characters from A-Z a-z 0-9 _ . : -"
+        )
+    return name
+
+
+def check_tokens(what: str, value: object, *, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_TOKENS:
+        raise BudgetError(f"{what} must be an integer from {low} to {MAX_TOKENS}, got {value!r}")
+    return value
+
+
+def check_reservation_id(rid: object) -> str:
+    if not isinstance(rid, str) or not _RID.match(rid):
+        raise BudgetError(
+            f"reservation id {rid!r} is not usable: use 1-200 characters from A-Z a-z 0-9 _ . : - "
+            "(e.g. '<job id>:<attempt>')"
+        )
+    return rid
+
+
+def _window_args(window: str | float | None) -> tuple[str, int]:
+    if window is None:
+        return "", 0
+    if window in ("day", "month"):
+        return str(window), 0
+    if isinstance(window, bool) or not isinstance(window, int | float) or not math.isfinite(window):
+        raise BudgetError(
+            'window must be None, "day", "month" (UTC calendar) or a rolling number of seconds, '
+            f"got {window!r}"
+        )
+    if not 1 <= window <= MAX_ROLLING_SECONDS:
+        raise BudgetError(f"a rolling window must be 1 to {MAX_ROLLING_SECONDS} seconds, got {window!r}")
+    return "roll", int(window * 1000)
+
+
+def _state(name: str, v: list[Any]) -> BudgetState | None:
+    if v[0] is None:
+        return None
+    limit, used = int(v[0]), int(v[1])
+    win = v[2].decode() if v[2] else ""
+    window = {"": None, "roll": "rolling"}.get(win, win)
+    turns = int(v[10])
+    return BudgetState(
+        name=name,
+        limit=limit,
+        used=used,
+        remaining=max(limit - used, 0),
+        window=window,
+        window_seconds=int(v[3]) / 1000 if win == "roll" else None,
+        parent=v[5].decode() or None,
+        accepted=int(v[6]),
+        rejected=int(v[7]),
+        unknown_outcomes=int(v[8]),
+        parked=int(v[9]),
+        resets_at_ms=turns if turns >= 0 else None,
+    )
+
+
+class Budgets:
+    """The ledger of one queue: ``queue.budgets``.
+
+    Budgets live in the queue's hash slot, shared by all of its workers.
+    ``now`` arguments (Unix ms) exist so that tests can move time; leave
+    them out otherwise.
+    """
+
+    def __init__(self, queue: Queue) -> None:
+        self._queue = queue
+        self._keys = queue.keys
+
+    async def create(
+        self,
+        name: str,
+        limit: int,
+        *,
+        window: str | float | None = None,
+        parent: str | None = None,
+        exist_ok: bool = False,
+        now: int | None = None,
+    ) -> BudgetState:
+        """Create a budget of ``limit`` tokens.
+
+        ``window``: None (the limit is for all time; top it up), "day" or
+        "month" (the limit renews at each UTC calendar day or month), or a
+        number of seconds (rolling: tokens charged more than that long ago no
+        longer count). ``parent``: an existing budget that every reservation
+        on this one must also fit (e.g. a tenant under its team).
+        """
+        check_budget_name(name)
+        check_tokens("limit", limit)
+        win, win_ms = _window_args(window)
+        if parent is not None:
+            check_budget_name(parent)
+            if parent == name:
+                raise BudgetError(f"budget {name!r} cannot be its own parent")
+        code, _ = await self._put(name, "create", limit, win, win_ms, parent or "", now)
+        if code == 0 and not exist_ok:
+            raise BudgetError(
+                f"budget {name!r} exists already; change it with set_limit/top_up, or pass exist_ok=True"
+            )
+        if code == -2:
+            raise BudgetError(f"parent budget {parent!r} does not exist; create it first")
+        if code == -3:
+            raise BudgetError(f"budgets may be nested at most {MAX_DEPTH} deep")
+        return await self.get(name, now=now)
+
+    async def set_limit(self, name: str, limit: int, *, now: int | None = None) -> int:
+        """Set a budget's limit; raising it lets parked jobs try again. Returns the limit."""
+        check_budget_name(name)
+        check_tokens("limit", limit)
+        return await self._change(name, "limit", limit, now)
+
+    async def top_up(self, name: str, tokens: int, *, now: int | None = None) -> int:
+        """Add ``tokens`` to a budget's limit (parked jobs try again); returns the new limit."""
+        check_budget_name(name)
+        check_tokens("tokens", tokens, low=1)
+        return await self._change(name, "topup", tokens, now)
+
+    async def get(self, name: str, *, now: int | None = None) -> BudgetState:
+        """A budget as it stands now; raises BudgetError if there is none."""
+        (state,) = await self.get_many([name], now=now)
+        if state is None:
+            raise BudgetError(f"no budget named {name!r}; create it with queue.budgets.create()")
+        return state
+
+    async def get_many(self, names: list[str], *, now: int | None = None) -> list[BudgetState | None]:
+        for name in names:
+            if name != TOKEN_RATE_BUDGET:
+                check_budget_name(name)
+        raw = await self._queue.scripts.budget_read(
+            keys=self._keys.flow, args=[now if now is not None else now_ms(), *names]
+        )
+        return [_state(name, raw[i * 11 : (i + 1) * 11]) for i, name in enumerate(names)]
+
+    async def reserve(
+        self, name: str, tokens: int, reservation_id: str, *, job_id: str = "", now: int | None = None
+    ) -> Reservation:
+        """Charge ``tokens`` to the budget and every budget above it, or to none.
+
+        Atomic: it succeeds only if every level can admit the tokens. Calling
+        it again with the same ``reservation_id`` charges nothing more.
+        """
+        check_budget_name(name)
+        check_tokens("tokens", tokens)
+        check_reservation_id(reservation_id)
+        code, remaining, refusing = await self._queue.scripts.reserve(
+            keys=self._keys.flow,
+            args=[now if now is not None else now_ms(), name, tokens, reservation_id, job_id],
+        )
+        if code == -1:
+            raise BudgetError(f"no budget named {refusing.decode()!r}; create it with queue.budgets.create()")
+        return Reservation(
+            id=reservation_id,
+            accepted=code in (1, 2),
+            remaining=int(remaining),
+            refused_by=refusing.decode() or None,
+            duplicate=code == 2,
+        )
+
+    async def commit(self, reservation_id: str, used_tokens: int, *, now: int | None = None) -> Settlement:
+        """Charge what was actually used and give the rest of the reservation back.
+
+        Usage above the reservation is charged only as far as every level can
+        still admit it (balances never go below zero); the rest is ``over``.
+        """
+        check_tokens("used_tokens", used_tokens)
+        return await self._settle(reservation_id, "commit", used_tokens, now)
+
+    async def refund(self, reservation_id: str, *, now: int | None = None) -> Settlement:
+        """Give a whole reservation back (the provider was never called)."""
+        return await self._settle(reservation_id, "refund", 0, now)
+
+    async def reservation(self, reservation_id: str) -> dict[str, str] | None:
+        """A reservation's stored fields (amt, est, b, state, ...), or None."""
+        check_reservation_id(reservation_id)
+        raw: dict[bytes, bytes] = await self._queue.redis.hgetall(  # type: ignore[assignment]
+            self._keys.reservation_prefix + reservation_id
+        )
+        return {k.decode(): v.decode() for k, v in raw.items()} or None
+
+    async def _settle(self, rid: str, how: str, tokens: int, now: int | None) -> Settlement:
+        check_reservation_id(rid)
+        state, changed, charged, over = await self._queue.scripts.settle(
+            keys=self._keys.flow, args=[now if now is not None else now_ms(), rid, how, tokens]
+        )
+        return Settlement(rid, state.decode(), bool(changed), int(charged), int(over))
+
+    async def _change(self, name: str, op: str, tokens: int, now: int | None) -> int:
+        code, limit = await self._put(name, op, tokens, "", 0, "", now)
+        if code == -1:
+            raise BudgetError(f"no budget named {name!r}; create it with queue.budgets.create()")
+        return int(limit)
+
+    async def _put(
+        self, name: str, op: str, tokens: int, win: str, win_ms: int, parent: str, now: int | None
+    ) -> tuple[int, int]:
+        k = self._keys
+        q = self._queue
+        at = now if now is not None else now_ms()
+        code, limit = await q.scripts.budget_put(
+            keys=[*k.flow, k.waiting, k.wake, k.job_prefix, k.events],
+            args=[at, name, op, tokens, win, win_ms, parent, q.events_maxlen],
+        )
+        return int(code), int(limit)

@@ -1,0 +1,222 @@
+-- The token ledger: budgets, their windows and hierarchy, and reservations.
+--
+-- A budget is a hash at K.budp .. name:
+--   limit   tokens the budget may admit per window (or in all, without one)
+--   used    tokens charged in the current window: held reservations + committed
+--   win     '' (none), 'day' or 'month' (calendar, UTC), or 'roll' (rolling)
+--   win_ms  the rolling window's length
+--   period  the calendar window the 'used' figure belongs to (day or month number)
+--   parent  name of the budget above it (a tenant under a team), or absent
+--   accepted / rejected / unknown   cumulative reservation counters
+-- A rolling budget also has a log, a zset at K.logp .. name: reservation id ->
+-- time reserved; a reservation leaves the window (and 'used') win_ms later.
+--
+-- A reservation is a hash at K.resvp .. rid:
+--   amt     tokens charged on every level now (the estimate, then the actual)
+--   est     tokens first reserved
+--   b       the budget names charged, space separated, the job's own first
+--   p       per budget the window it was charged in (period, or 0)
+--   state   held | committed | refunded | unknown
+--   over    tokens used beyond what the budgets could still admit (not charged)
+-- Settling (commit or refund) a reservation that is no longer held changes
+-- nothing, so both are idempotent.
+--
+-- Every amount charged to one reservation is the same on all of its levels,
+-- which keeps a level's 'used' equal to the sum of its reservations' amounts.
+
+-- Adds the flow-control and ledger key names, passed as KEYS[i] .. KEYS[i + 6]
+-- by every script that uses them (see keys.py: QueueKeys.flow).
+local function with_flow_keys(K, i)
+  K.control, K.starts, K.budp, K.logp = KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3]
+  K.resvp, K.parkp, K.parkedby = KEYS[i + 4], KEYS[i + 5], KEYS[i + 6]
+  return K
+end
+
+-- Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm).
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mp = (m + 9) % 12
+  local doy = math.floor((153 * mp + 2) / 5) + d - 1
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  return era * 146097 + doe - 719468
+end
+
+-- (year, month) of a day number.
+local function civil_from_days(z)
+  z = z + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+                          - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp + 3
+  if mp >= 10 then m = mp - 9 end
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m
+end
+
+-- The calendar window of `now` (a day or month number) and when the next begins (ms).
+local function period_of(win, now)
+  local day = math.floor(now / 86400000)
+  if win == 'day' then return day, (day + 1) * 86400000 end
+  local y, m = civil_from_days(day)
+  local nm, ny = m + 1, y
+  if nm > 12 then nm, ny = 1, y + 1 end
+  return y * 12 + (m - 1), days_from_civil(ny, nm, 1) * 86400000
+end
+
+-- Loads one budget, moving it into the window that contains `now`; nil if absent.
+local function load_budget(K, name, now)
+  local bk = K.budp .. name
+  local f = redis.call('HMGET', bk, 'limit', 'used', 'win', 'win_ms', 'period', 'parent')
+  if not f[1] then return nil end
+  local b = {name = name, key = bk, limit = tonumber(f[1]) or 0, used = tonumber(f[2]) or 0,
+             win = f[3] or '', win_ms = tonumber(f[4]) or 0, period = tonumber(f[5]) or 0,
+             parent = f[6]}
+  if b.win == 'day' or b.win == 'month' then
+    local p = period_of(b.win, now)
+    if p ~= b.period then
+      b.period, b.used = p, 0
+      redis.call('HSET', bk, 'period', p, 'used', 0)
+    end
+  elseif b.win == 'roll' then
+    local lk = K.logp .. name
+    local gone = redis.call('ZRANGEBYSCORE', lk, '-inf', now - b.win_ms, 'LIMIT', 0, 1000)
+    if #gone > 0 then
+      for i = 1, #gone do
+        b.used = b.used - (tonumber(redis.call('HGET', K.resvp .. gone[i], 'amt')) or 0)
+      end
+      if b.used < 0 then b.used = 0 end
+      redis.call('ZREM', lk, unpack(gone))
+      redis.call('HSET', bk, 'used', b.used)
+    end
+  end
+  return b
+end
+
+-- The budget and every budget above it, job's own first; nil and the missing
+-- name if one of them does not exist.
+local function budget_chain(K, name, now)
+  local chain = {}
+  local cur = name
+  while cur and #chain < 8 do
+    local b = load_budget(K, cur, now)
+    if not b then return nil, cur end
+    chain[#chain + 1] = b
+    cur = b.parent
+  end
+  return chain
+end
+
+-- When a rolling budget will have `need` tokens free (ms), or -1 if never by expiry alone.
+local function roll_free_at(K, b, need)
+  local short = need - (b.limit - b.used)
+  if short <= 0 then return 0 end
+  local log = redis.call('ZRANGE', K.logp .. b.name, 0, 999, 'WITHSCORES')
+  local freed = 0
+  for i = 1, #log, 2 do
+    freed = freed + (tonumber(redis.call('HGET', K.resvp .. log[i], 'amt')) or 0)
+    if freed >= short then return tonumber(log[i + 1]) + b.win_ms end
+  end
+  return -1
+end
+
+-- When a budget that refused `need` tokens may admit them: the next calendar
+-- window, the rolling window's expiry, or never by itself (-1: only a top-up helps).
+local function budget_retry_at(K, b, need, now)
+  if need > b.limit then return -1 end
+  if b.win == 'day' or b.win == 'month' then
+    local _, next_start = period_of(b.win, now)
+    return next_start
+  elseif b.win == 'roll' then
+    return roll_free_at(K, b, need)
+  end
+  return -1
+end
+
+-- The first level of `levels` that cannot admit `amount` more tokens, or nil.
+local function refusing_level(levels, amount)
+  for i = 1, #levels do
+    local b = levels[i]
+    if b.used + amount > b.limit then return b end
+  end
+  return nil
+end
+
+-- Charges `amount` to every level under reservation id `rid` (levels must admit it).
+local function reserve(K, rid, job_id, levels, amount, now)
+  local names, periods = {}, {}
+  for i = 1, #levels do
+    local b = levels[i]
+    b.used = b.used + amount
+    redis.call('HSET', b.key, 'used', b.used)
+    redis.call('HINCRBY', b.key, 'accepted', 1)
+    if b.win == 'roll' then redis.call('ZADD', K.logp .. b.name, now, rid) end
+    names[i] = b.name
+    periods[i] = b.period or 0
+  end
+  redis.call('HSET', K.resvp .. rid, 'amt', amount, 'est', amount, 'b', table.concat(names, ' '),
+             'p', table.concat(periods, ' '), 'state', 'held', 'at', now, 'job', job_id)
+end
+
+local function split_words(s)
+  local out = {}
+  for w in string.gmatch(s or '', '%S+') do out[#out + 1] = w end
+  return out
+end
+
+-- Whether reservation `rid` still counts in budget `b` (the same window).
+local function still_counted(K, b, rid, period)
+  if b.win == 'day' or b.win == 'month' then return b.period == period end
+  if b.win == 'roll' then return redis.call('ZSCORE', K.logp .. b.name, rid) ~= false end
+  return true
+end
+
+-- Settles a held reservation: how 'commit' (charge `actual`; a negative
+-- actual keeps the amount charged), 'refund' (charge nothing) or 'unknown'
+-- (keep the charge: the provider may have been called). Returns the state
+-- after the call, and whether this call changed it.
+local function settle(K, rid, how, actual, now)
+  local rk = K.resvp .. rid
+  local r = redis.call('HMGET', rk, 'state', 'amt', 'b', 'p')
+  if not r[1] then return 'missing', false end
+  if r[1] ~= 'held' then return r[1], false end
+  local amt = tonumber(r[2]) or 0
+  local target = amt
+  if how == 'refund' then target = 0 elseif how == 'commit' and actual >= 0 then target = actual end
+  local names, periods = split_words(r[3]), split_words(r[4])
+  local levels = {}
+  for i = 1, #names do
+    local b = load_budget(K, names[i], now)
+    if b and still_counted(K, b, rid, tonumber(periods[i]) or 0) then levels[#levels + 1] = b end
+  end
+  local delta = target - amt
+  if delta > 0 then
+    -- Usage beyond the reservation is charged only as far as every level can
+    -- still admit it: a balance never goes below zero. The rest is reported.
+    local room = delta
+    for i = 1, #levels do room = math.min(room, levels[i].limit - levels[i].used) end
+    if room < 0 then room = 0 end
+    if room < delta then
+      redis.call('HINCRBY', rk, 'over', delta - room)
+      delta = room
+    end
+  end
+  for i = 1, #levels do
+    local b = levels[i]
+    b.used = math.max(b.used + delta, 0)
+    redis.call('HSET', b.key, 'used', b.used)
+    if how == 'unknown' then redis.call('HINCRBY', b.key, 'unknown', 1) end
+  end
+  local state = 'committed'
+  if how == 'refund' then state = 'refunded' elseif how == 'unknown' then state = 'unknown' end
+  redis.call('HSET', rk, 'state', state, 'amt', amt + delta, 'settled', now)
+  -- Kept long enough to answer a late commit or refund, and for rolling
+  -- windows (at most 7 days) to expire it from their logs.
+  redis.call('PEXPIRE', rk, 8 * 86400000)
+  return state, true
+end

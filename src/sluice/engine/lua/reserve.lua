@@ -1,0 +1,31 @@
+-- reserve: charge tokens to a budget and every budget above it, atomically,
+-- under a reservation id; for callers that reserve themselves (the dispatch
+-- script reserves for jobs added with a budget).
+--
+-- KEYS[1 .. 7]  flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
+-- ARGV[1] now (ms)  ARGV[2] budget name  ARGV[3] tokens  ARGV[4] reservation id
+-- ARGV[5] job id ('' if none)
+--
+-- Returns {code, remaining, refusing budget}: 1 reserved; 0 refused (some
+-- level cannot admit the tokens; nothing was charged); 2 this reservation id
+-- exists already (nothing charged again; remaining is the budget's now);
+-- -1 no such budget (the third value names the missing one).
+-- remaining is what the budget named in ARGV[2] has left after the call.
+
+-- @include ledger
+
+local K = with_flow_keys({}, 1)
+local now, name, tokens, rid = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local chain, missing = budget_chain(K, name, now)
+if not chain then return {-1, 0, missing} end
+local own = chain[1]
+if redis.call('EXISTS', K.resvp .. rid) == 1 then
+  return {2, own.limit - own.used, ''}
+end
+local refusing = refusing_level(chain, tokens)
+if refusing then
+  redis.call('HINCRBY', refusing.key, 'rejected', 1)
+  return {0, math.max(own.limit - own.used, 0), refusing.name}
+end
+reserve(K, rid, ARGV[5], chain, tokens, now)
+return {1, own.limit - own.used, ''}

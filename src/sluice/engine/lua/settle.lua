@@ -1,0 +1,19 @@
+-- settle: commit the actual usage of a held reservation, or refund it.
+--
+-- KEYS[1 .. 7]  flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
+-- ARGV[1] now (ms)  ARGV[2] reservation id  ARGV[3] 'commit' | 'refund' | 'unknown'
+-- ARGV[4] tokens actually used (commit; -1 keeps the reserved amount)
+--
+-- Returns {state, changed, charged, over}: the reservation's state after the
+-- call ('missing' if there is none), 1 if this call settled it (0: it was
+-- settled before, so repeating a commit or refund changes nothing), the tokens
+-- it charges now, and usage beyond what the budgets could still admit.
+
+-- @include ledger
+
+local K = with_flow_keys({}, 1)
+local state, changed = settle(K, ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[1]))
+local r = redis.call('HMGET', K.resvp .. ARGV[2], 'amt', 'over')
+local flag = 0
+if changed then flag = 1 end
+return {state, flag, tonumber(r[1]) or 0, tonumber(r[2]) or 0}
