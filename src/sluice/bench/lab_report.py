@@ -134,6 +134,7 @@ _CHECKS: tuple[tuple[str, str], ...] = (
     ("global rate limit observed", "globalRateLimitObserved"),
     ("budget never overspent", "atomicBudgetNeverOverspent"),
     ("race outcome as expected", "raceOutcomeMatchedExpectation"),
+    ("429 paused the queue, no failure", "throttleRecovered"),
     ("all checks", "allPassed"),
 )
 

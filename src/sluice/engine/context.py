@@ -37,7 +37,7 @@ class JobContext:
         max_attempts: int,
         created_ms: int,
         worker_id: str,
-        token: bytes,
+        token: bytes | int,
     ) -> None:
         self.queue = queue
         self.id = job_id
@@ -63,6 +63,15 @@ class JobContext:
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise ValueError(f"tokens must be an integer >= 0, got {tokens!r}")
         self.usage = tokens
+
+    @property
+    def reservation_id(self) -> str:
+        """``<job id>:<attempt token>``: the id the dispatch script reserves a budgeted
+        job's tokens under, unique per attempt (a throttled attempt is not counted,
+        so the attempt number repeats; the token never does). Use it for your own
+        ``queue.budgets.reserve`` calls too."""
+        token = self.token.decode() if isinstance(self.token, bytes) else str(self.token)
+        return f"{self.id}:{token}"
 
     @property
     def idempotency_key(self) -> str:
