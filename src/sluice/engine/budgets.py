@@ -230,7 +230,8 @@ class Budgets:
         """Charge ``tokens`` to the budget and every budget above it, or to none.
 
         Atomic: it succeeds only if every level can admit the tokens. Calling
-        it again with the same ``reservation_id`` charges nothing more.
+        it again with the same ``reservation_id`` charges nothing more: the
+        answer is ``duplicate``, accepted unless that reservation was refunded.
         """
         check_budget_name(name)
         check_tokens("tokens", tokens)
@@ -246,7 +247,7 @@ class Budgets:
             accepted=code in (1, 2),
             remaining=int(remaining),
             refused_by=refusing.decode() or None,
-            duplicate=code == 2,
+            duplicate=code in (2, 3),
         )
 
     async def commit(self, reservation_id: str, used_tokens: int, *, now: int | None = None) -> Settlement:

@@ -8,8 +8,9 @@
 --
 -- Returns {code, remaining, refusing budget}: 1 reserved; 0 refused (some
 -- level cannot admit the tokens; nothing was charged); 2 this reservation id
--- exists already (nothing charged again; remaining is the budget's now);
--- -1 no such budget (the third value names the missing one).
+-- exists already and still charges (held, committed or unknown), 3 it exists
+-- and was refunded (nothing is charged again in either case); -1 no such
+-- budget (the third value names the missing one).
 -- remaining is what the budget named in ARGV[2] has left after the call.
 
 -- @include ledger
@@ -19,8 +20,11 @@ local now, name, tokens, rid = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), AR
 local chain, missing = budget_chain(K, name, now)
 if not chain then return {-1, 0, missing} end
 local own = chain[1]
-if redis.call('EXISTS', K.resvp .. rid) == 1 then
-  return {2, own.limit - own.used, ''}
+local prior = redis.call('HGET', K.resvp .. rid, 'state')
+if prior then
+  local code = 2
+  if prior == 'refunded' then code = 3 end
+  return {code, math.max(own.limit - own.used, 0), ''}
 end
 local refusing = refusing_level(chain, tokens)
 if refusing then
