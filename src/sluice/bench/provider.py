@@ -36,9 +36,13 @@ window=1`` to see the same behaviour sixty times faster.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import select
+import signal
 import socket
-import threading
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -56,6 +60,12 @@ from starlette.routing import Route
 CHARS_PER_TOKEN = 4
 COMPLETIONS_PATH = "/v1/chat/completions"
 STATS_PATH = "/stats"
+ARRIVALS_PATH = "/arrivals"
+#: A client's own id for a request (OpenAI's header); the provider logs when accepted ones arrived.
+REQUEST_ID_HEADER = "x-client-request-id"
+#: Seconds the provider's process may take to start (Python and its imports) and to stop.
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 5.0
 
 
 def count_prompt_tokens(messages: Sequence[Any]) -> int:
@@ -228,29 +238,40 @@ def _error(
 class SimulatedProvider:
     """The provider's state and its ASGI app; serve it with :func:`serve_provider`.
 
-    Admission runs under a lock with no await inside, so concurrent requests
-    are decided one at a time, in arrival order, whatever thread reads the stats.
+    It runs on one event loop: admission has no await between its check and
+    its record, so concurrent requests are decided one at a time, in arrival order.
     """
 
     def __init__(self, limits: ProviderLimits) -> None:
         self.limits = limits
         self._window = SlidingWindow(limits.requests, limits.tokens, limits.window)
         self._stats = ProviderStats()
-        self._lock = threading.Lock()
         self._ids = 0
+        self._arrivals: dict[str, float] = {}
         self.app = Starlette(
             routes=[
                 Route(COMPLETIONS_PATH, self._completions, methods=["POST"]),
                 Route(STATS_PATH, self._stats_endpoint, methods=["GET"]),
+                Route(ARRIVALS_PATH, self._arrivals_endpoint, methods=["GET"]),
             ]
         )
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {**asdict(self._stats), "limits": asdict(self.limits)}
+        return {**asdict(self._stats), "limits": asdict(self.limits)}
 
     async def _stats_endpoint(self, _request: Request) -> JSONResponse:
         return JSONResponse(self.stats())
+
+    def arrivals(self) -> dict[str, float]:
+        """Request id -> Unix time its accepted call arrived, for calls that sent an id.
+
+        With the time the client dispatched each call, this shows how long the
+        way to the provider takes, and how much it varies.
+        """
+        return dict(self._arrivals)
+
+    async def _arrivals_endpoint(self, _request: Request) -> JSONResponse:
+        return JSONResponse(self.arrivals())
 
     def _limit_headers(self, admission: Admission) -> dict[str, str]:
         headers: dict[str, str] = {}
@@ -266,16 +287,14 @@ class SimulatedProvider:
         try:
             model, messages, max_tokens = _parse(await request.json())
         except (ValueError, _BadRequest) as exc:
-            with self._lock:
-                self._stats.requests += 1
-                self._stats.bad_requests += 1
+            self._stats.requests += 1
+            self._stats.bad_requests += 1
             return _error(400, f"invalid request: {exc}", "invalid_request_error", "invalid_request")
         prompt = count_prompt_tokens(messages)
         cost = prompt + max_tokens
         if self.limits.tokens is not None and cost > self.limits.tokens:
-            with self._lock:
-                self._stats.requests += 1
-                self._stats.bad_requests += 1
+            self._stats.requests += 1
+            self._stats.bad_requests += 1
             return _error(
                 400,
                 f"request too large: {cost} tokens (prompt {prompt} + max_tokens {max_tokens}) can never "
@@ -283,20 +302,17 @@ class SimulatedProvider:
                 "invalid_request_error",
                 "request_too_large",
             )
-        admission = self._admit(prompt, max_tokens)
+        admission = self._admit(prompt, max_tokens, request.headers.get(REQUEST_ID_HEADER))
         if not admission.accepted:
             return self._too_many(admission, cost)
         try:
             await asyncio.sleep(self.limits.duration(max_tokens))
         finally:
-            with self._lock:
-                self._stats.in_flight -= 1
-                self._stats.last_completed_at = time.time()
-        with self._lock:
-            self._ids += 1
-            completion_id = f"chatcmpl-sim-{self._ids}"
+            self._stats.in_flight -= 1
+            self._stats.last_completed_at = time.time()
+        self._ids += 1
         body = {
-            "id": completion_id,
+            "id": f"chatcmpl-sim-{self._ids}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": model,
@@ -311,34 +327,35 @@ class SimulatedProvider:
         }
         return JSONResponse(body, headers=self._limit_headers(admission))
 
-    def _admit(self, prompt: int, max_tokens: int) -> Admission:
+    def _admit(self, prompt: int, max_tokens: int, request_id: str | None) -> Admission:
         """Decide on one request at the moment it is complete (its body read): its arrival."""
         cost = prompt + max_tokens
         arrived = time.time()
-        with self._lock:
-            s = self._stats
-            s.requests += 1
-            admission = self._window.admit(cost, time.monotonic())
-            if not admission.accepted:
-                s.rate_limited += 1
-                if admission.reason == "requests":
-                    s.rate_limited_requests += 1
-                else:
-                    s.rate_limited_tokens += 1
-                return admission
-            s.accepted += 1
-            s.accepted_tokens += cost
-            s.prompt_tokens += prompt
-            s.completion_tokens += max_tokens
-            s.in_flight += 1
-            s.max_in_flight = max(s.max_in_flight, s.in_flight)
-            requests, tokens = self._window.in_window
-            s.peak_window_requests = max(s.peak_window_requests, requests)
-            s.peak_window_tokens = max(s.peak_window_tokens, tokens)
-            if s.first_accepted_at is None:
-                s.first_accepted_at = arrived
-            s.last_accepted_at = arrived
+        s = self._stats
+        s.requests += 1
+        admission = self._window.admit(cost, time.monotonic())
+        if not admission.accepted:
+            s.rate_limited += 1
+            if admission.reason == "requests":
+                s.rate_limited_requests += 1
+            else:
+                s.rate_limited_tokens += 1
             return admission
+        s.accepted += 1
+        s.accepted_tokens += cost
+        s.prompt_tokens += prompt
+        s.completion_tokens += max_tokens
+        s.in_flight += 1
+        s.max_in_flight = max(s.max_in_flight, s.in_flight)
+        requests, tokens = self._window.in_window
+        s.peak_window_requests = max(s.peak_window_requests, requests)
+        s.peak_window_tokens = max(s.peak_window_tokens, tokens)
+        if s.first_accepted_at is None:
+            s.first_accepted_at = arrived
+        s.last_accepted_at = arrived
+        if request_id is not None:
+            self._arrivals[request_id] = arrived
+        return admission
 
     def _too_many(self, admission: Admission, cost: int) -> JSONResponse:
         wait_ms = max(1, math.ceil(admission.retry_after * 1000))
@@ -363,43 +380,54 @@ class SimulatedProvider:
 def serve_provider(limits: ProviderLimits, host: str = "127.0.0.1") -> Iterator[str]:
     """Serve a :class:`SimulatedProvider` on a free port of ``host``; yield its base URL.
 
-    It runs in a thread of this process with its own event loop (uvicorn), so
-    sync and async callers alike can use it; leaving the block stops it and
-    waits for in-flight requests (up to a few seconds).
+    It runs in a process of its own, as a remote provider would: in a thread
+    of the caller's process it shared the caller's GIL and garbage collector,
+    and a collection in a test run (a large heap) held calls up for 100-250 ms,
+    which showed as network jitter. Leaving the block stops it (SIGTERM, then
+    SIGKILL after a few seconds).
     """
-    with _serving(SimulatedProvider(limits), host) as url:
-        yield url
+    argv = [sys.executable, "-m", "sluice.bench.provider", json.dumps(asdict(limits)), host]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+        line = proc.stdout.readline().decode().strip() if ready else ""
+        if not line.startswith("http://"):
+            raise RuntimeError(
+                f"the simulated provider did not start within {START_TIMEOUT_S:g} s "
+                f"(exit code {proc.poll()}); run `python -m sluice.bench.provider '{{}}'` to see why"
+            )
+        yield line
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
-@contextmanager
-def _serving(provider: SimulatedProvider, host: str) -> Iterator[str]:
+def _serve(limits: ProviderLimits, host: str) -> None:
+    """Bind a free port, print the base URL (the parent reads it), serve until SIGTERM."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
-    port = sock.getsockname()[1]
     config = uvicorn.Config(
-        provider.app,
+        SimulatedProvider(limits).app,
         lifespan="off",
         http="h11",
         ws="none",
-        log_config=None,  # never reconfigure the host program's logging
+        log_config=None,
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=2,
     )
     server = uvicorn.Server(config)
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [sock]}, name="sluice-provider", daemon=True
-    )
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10.0
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the simulated provider did not start on {host}:{port}")
-            time.sleep(0.005)
-        yield f"http://{host}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15.0)
-        sock.close()
+    print(f"http://{host}:{sock.getsockname()[1]}", flush=True)
+    server.run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    _serve(ProviderLimits(**json.loads(sys.argv[1])), sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1")

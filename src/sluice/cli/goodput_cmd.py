@@ -1,0 +1,109 @@
+"""``sluice bench goodput``: the provider's rate limit used by a limited queue vs retry-on-429.
+
+Registered on ``bench_app`` when imported (``sluice.cli.app`` imports it).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import TaskID
+
+from sluice.cli.bench_cmd import JsonOpt, RedisOpt, _progress, _save, _warn, bench_app, console
+from sluice.cli.runtime import run
+from sluice.engine.connection import connect
+
+
+@bench_app.command("goodput")
+def goodput(
+    jobs: Annotated[int, typer.Option(min=1, max=100_000, help="Provider calls (one per job).")] = 2000,
+    processes: Annotated[int, typer.Option("--processes", "-p", min=1, max=16, help="Worker processes.")] = 2,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-c", min=1, help="Jobs at once per process.")
+    ] = 32,
+    window: Annotated[
+        float, typer.Option(min=1.0, help="The provider's window in seconds (a token window is >= 1 s).")
+    ] = 1.0,
+    rpw: Annotated[int, typer.Option(min=1, help="The provider's request limit per window.")] = 100,
+    tpw: Annotated[int, typer.Option(min=500, help="The provider's token limit per window.")] = 30_000,
+    latency: Annotated[float, typer.Option(min=0, help="Seconds each accepted call takes.")] = 0.1,
+    latency_per_token: Annotated[
+        float, typer.Option(min=0, help="Plus seconds per completion token.")
+    ] = 0.0002,
+    pace: Annotated[
+        int, typer.Option(min=1, help="sluice-limited: the request limit in this many steps per window.")
+    ] = 10,
+    headroom_ms: Annotated[
+        float, typer.Option(min=0, help="sluice-limited: milliseconds added to the queue's windows.")
+    ] = 25.0,
+    max_attempts: Annotated[int, typer.Option(min=1, help="no-limiter: attempts per job.")] = 50,
+    backoff_base: Annotated[
+        float, typer.Option(min=0, help="no-limiter: first retry delay, seconds.")
+    ] = 0.05,
+    backoff_max: Annotated[
+        float, typer.Option(min=0, help="no-limiter: longest retry delay, seconds.")
+    ] = 1.0,
+    variant: Annotated[
+        list[str] | None,
+        typer.Option("--variant", help="sluice-limited and/or no-limiter (repeatable; default both)."),
+    ] = None,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds one variant may take.")] = 180.0,
+    redis: RedisOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Run LLM calls against a simulated rate-limited provider: a limited queue vs retry-on-429."""
+    # Imported here: every `sluice` command (a worker's start-up too) loads this module.
+    from sluice.bench.common import bench_redis, machine_meta
+    from sluice.bench.goodput import VARIANTS, GoodputSpec, compare, goodput_table, run_variant, spec_meta
+
+    chosen = variant or list(VARIANTS)
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        console.print(f"[red]error:[/red] unknown variant {unknown[0]!r}; use {' or '.join(VARIANTS)}")
+        raise typer.Exit(2)
+    try:
+        spec = GoodputSpec(
+            jobs=jobs,
+            processes=processes,
+            concurrency=concurrency,
+            window=window,
+            requests=rpw,
+            tokens=tpw,
+            latency=latency,
+            latency_per_token=latency_per_token,
+            pace=pace,
+            headroom=headroom_ms / 1000,
+            max_attempts=max_attempts,
+            backoff_base=backoff_base,
+            backoff_max=backoff_max,
+            timeout=timeout,
+        )
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+    async def go(url: str, origin: str) -> dict[str, Any]:
+        client = connect(url)
+        results: dict[str, dict[str, Any]] = {}
+        try:
+            meta = await machine_meta(client, url, origin)
+            with tempfile.TemporaryDirectory(prefix="sluice-bench-logs-") as logs, _progress() as bar:
+                for name in chosen:
+                    task = bar.add_task(name, total=jobs)
+
+                    def show(done: int, rejected: int, task: TaskID = task, name: str = name) -> None:
+                        bar.update(task, completed=done, description=f"{name} ({rejected:,} x 429)")
+
+                    results[name] = await run_variant(client, url, spec, name, Path(logs), show)
+                    _warn(results[name])
+        finally:
+            await client.aclose()
+        return {"meta": meta, "spec": spec_meta(spec), "variants": results, "ratios": compare(results)}
+
+    with bench_redis(redis) as (url, origin):
+        data = run(go(url, origin))
+    console.print(goodput_table(data))
+    _save(json_path, data)

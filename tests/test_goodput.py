@@ -1,0 +1,89 @@
+"""The goodput benchmark, small: both variants against the simulated provider, real workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+from rich.console import Console
+
+from sluice.bench.goodput import (
+    LIMITED,
+    NO_LIMITER,
+    GoodputSpec,
+    compare,
+    goodput,
+    goodput_table,
+    run_variant,
+    spec_meta,
+    theoretical_min_s,
+    workload,
+)
+
+
+def test_workload_is_deterministic_and_varied() -> None:
+    calls = workload(200)
+    assert calls == workload(200)
+    costs = {c.tokens for c in calls}
+    assert len(costs) > 50
+    assert min(costs) >= 180 and max(costs) <= 440
+
+
+def test_goodput_counts_complete_windows_and_takes_the_binding_limit() -> None:
+    spec = GoodputSpec(requests=10, tokens=1000, window=1.0)
+    # Two full windows (10 calls of 90 tokens each), then a partial one where the queue ran dry.
+    accepted = [(100.0 + i * 0.1, 90) for i in range(20)] + [(102.5, 90)]
+    figures = goodput(spec, accepted)
+    assert figures["goodput_windows"] == 2
+    assert figures["goodput_requests_pct"] == 100.0
+    assert figures["goodput_tokens_pct"] == 90.0
+    assert figures["goodput_pct"] == 100.0 and figures["binding"] == "requests"
+    # Less than a window of arrivals: that one window stands.
+    assert goodput(spec, [(5.0, 500), (5.5, 500)])["goodput_tokens_pct"] == 100.0
+    assert goodput(spec, [])["goodput_pct"] is None
+    minimum, binds = theoretical_min_s(spec, workload(10))
+    assert binds == "tokens" and minimum == pytest.approx(sum(c.tokens for c in workload(10)) / 1000)
+
+
+@pytest.mark.slow
+async def test_limited_queue_gets_no_429_where_retrying_gets_many(
+    redis: Redis, redis_url: str, tmp_path: Path
+) -> None:
+    # Given: 30 calls, a provider allowing 20 requests and 6,000 tokens per second (1.5 s of
+    # work either way), and 2 worker processes of 8 that could send far more.
+    spec = GoodputSpec(
+        jobs=30,
+        processes=2,
+        concurrency=8,
+        window=1.0,
+        requests=20,
+        tokens=6000,
+        latency=0.02,
+        latency_per_token=0.0,
+        backoff_base=0.02,
+        backoff_max=0.5,
+        timeout=60.0,
+    )
+    # When: each variant runs against a fresh provider.
+    results = {v: await run_variant(redis, redis_url, spec, v, tmp_path) for v in (LIMITED, NO_LIMITER)}
+    # Then: every job ran exactly once in both, and only the retrying clients met 429s.
+    for variant, r in results.items():
+        assert r["warnings"] == [], variant
+        assert (r["completed"], r["duplicates"], r["lost_or_failed"], r["dead"]) == (30, 0, 0, 0), variant
+        assert r["accepted_calls"] == 30, variant
+        assert r["provider"]["peak_window_requests"] <= 20 and r["provider"]["peak_window_tokens"] <= 6000
+        assert r["e2e"]["samples"] == 30
+    limited, retrying = results[LIMITED], results[NO_LIMITER]
+    assert limited["rate_limited"] == 0 and limited["calls"] == 30
+    # The default pacing and headroom: 2 starts per 0.1025 s, 6,000 tokens per 1.025 s.
+    assert limited["queue_limits"]["max_starts"] == 2
+    assert limited["queue_limits"]["starts_window_s"] == pytest.approx(0.1025)
+    assert limited["queue_limits"]["tokens_window_s"] == pytest.approx(1.025)
+    assert retrying["rate_limited"] > 0
+    assert retrying["calls"] == 30 + retrying["rate_limited"] == 30 + retrying["wasted_calls"]
+    assert retrying["max_attempt"] > 1
+    assert compare(results)["total calls"] > 1
+    console = Console(width=200, record=True)
+    console.print(goodput_table({"spec": spec_meta(spec), "variants": results}))
+    assert "sluice-limited" in console.export_text()
