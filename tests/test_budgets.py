@@ -133,9 +133,10 @@ def admitted(answers: list[Answer]) -> int:
 
 
 async def resv_amounts(redis: Redis, queue: Queue) -> dict[str, tuple[int, str]]:
-    """Every reservation stored: id -> (amount, budgets charged)."""
+    """Every reservation a caller made: id -> (amount, budgets charged) (stored as u:<id>)."""
     out = {}
     prefix = queue.keys.reservation_prefix
+    prefix += "u:"
     async for key in redis.scan_iter(match=prefix + "*", count=1000):
         fields: Any = await redis.hmget(key, "amt", "b")
         amt, names = fields

@@ -110,6 +110,12 @@ def check_reservation_id(rid: object) -> str:
     return rid
 
 
+def _stored(rid: str) -> str:
+    """Callers' reservations live apart from the dispatch script's (``<job id>:<token>``,
+    always starting with a digit), so no id a caller picks can meet one of those."""
+    return "u:" + rid
+
+
 def _window_args(window: str | float | None) -> tuple[str, int]:
     if window is None:
         return "", 0
@@ -238,7 +244,7 @@ class Budgets:
         check_reservation_id(reservation_id)
         code, remaining, refusing = await self._queue.scripts.reserve(
             keys=self._keys.flow,
-            args=[now if now is not None else now_ms(), name, tokens, reservation_id, job_id],
+            args=[now if now is not None else now_ms(), name, tokens, _stored(reservation_id), job_id],
         )
         if code == -1:
             raise BudgetError(f"no budget named {refusing.decode()!r}; create it with queue.budgets.create()")
@@ -264,17 +270,24 @@ class Budgets:
         return await self._settle(reservation_id, "refund", 0, now)
 
     async def reservation(self, reservation_id: str) -> dict[str, str] | None:
-        """A reservation's stored fields (amt, est, b, state, ...), or None."""
+        """A reservation's stored fields (amt, est, b, state, ...), or None.
+
+        Looks up a caller's reservation of that id first, then a job's (the
+        ``JobRecord.reservation`` or ``JobContext.reservation_id`` of an attempt).
+        """
         check_reservation_id(reservation_id)
-        raw: dict[bytes, bytes] = await self._queue.redis.hgetall(  # type: ignore[assignment]
-            self._keys.reservation_prefix + reservation_id
-        )
-        return {k.decode(): v.decode() for k, v in raw.items()} or None
+        prefix = self._keys.reservation_prefix
+        for key in (prefix + _stored(reservation_id), prefix + reservation_id):
+            raw: dict[bytes, bytes] = await self._queue.redis.hgetall(key)  # type: ignore[assignment]
+            if raw:
+                return {k.decode(): v.decode() for k, v in raw.items()}
+        return None
 
     async def _settle(self, rid: str, how: str, tokens: int, now: int | None) -> Settlement:
         check_reservation_id(rid)
+        at = now if now is not None else now_ms()
         state, changed, charged, over = await self._queue.scripts.settle(
-            keys=self._keys.flow, args=[now if now is not None else now_ms(), rid, how, tokens]
+            keys=[*self._keys.flow, self._keys.wake], args=[at, _stored(rid), how, tokens]
         )
         return Settlement(rid, state.decode(), bool(changed), int(charged), int(over))
 

@@ -66,10 +66,14 @@ class JobContext:
 
     @property
     def reservation_id(self) -> str:
-        """``<job id>:<attempt token>``: the id the dispatch script reserves a budgeted
-        job's tokens under, unique per attempt (a throttled attempt is not counted,
-        so the attempt number repeats; the token never does). Use it for your own
-        ``queue.budgets.reserve`` calls too."""
+        """``<job id>:<attempt token>``: the id the dispatch script reserves this
+        attempt's tokens under (for a job with a budget, or on a queue with a
+        token-rate limit), unique per attempt: a throttled attempt is not
+        counted, so the attempt number repeats; the token never does.
+
+        It is also a good id for reservations of your own in the handler
+        (``queue.budgets.reserve``): those are kept apart from the dispatch
+        script's, so the two never meet."""
         token = self.token.decode() if isinstance(self.token, bytes) else str(self.token)
         return f"{self.id}:{token}"
 

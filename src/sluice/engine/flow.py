@@ -130,7 +130,11 @@ class FlowControl:
         await self._wake()
 
     async def throttle(self, seconds: float) -> None:
-        """Dispatch nothing for ``seconds`` (what a handler's ``Throttled`` does); 0 lifts it."""
+        """Dispatch nothing for ``seconds`` from now; 0 lifts the throttle.
+
+        Unlike a handler's ``Throttled``, which only ever extends the pause,
+        this replaces it: an operator may shorten or lift it.
+        """
         if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds <= 86_400:
             raise ConfigurationError(f"seconds must be from 0 to 86400, got {seconds!r}")
         if seconds == 0:

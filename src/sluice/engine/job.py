@@ -18,8 +18,9 @@ MAX_PRIORITY = 2**20 - 1
 MAX_ATTEMPTS = 1000
 MAX_NAME_LENGTH = 200
 MAX_IDEMPOTENCY_KEY_LENGTH = 400
-#: Token estimates are integers below 2**53 so Lua's doubles hold them exactly.
-MAX_TOKENS = 10**15
+#: Token counts stay below 10**12: Lua holds numbers as doubles and writes
+#: them with 14 significant digits, so larger ones would come back as 1e+15.
+MAX_TOKENS = 10**12
 ON_EXHAUSTED = ("reject", "wait")
 _BUDGET_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 

@@ -326,7 +326,13 @@ class Queue(FlowControl):
         return out
 
     async def ids(self, state: JobState, offset: int = 0, limit: int = 100) -> list[str]:
-        """Ids of jobs in a live state, in the order they will run (or died)."""
+        """Ids of jobs in a live state, in the order they will run (or died).
+
+        Parked jobs are kept per budget; their ids come in waiting order
+        across all budgets.
+        """
+        if state is JobState.PARKED:
+            return (await self._parked_ids())[offset : offset + limit]
         key = {
             JobState.WAITING: self.keys.waiting,
             JobState.DELAYED: self.keys.delayed,
@@ -335,10 +341,20 @@ class Queue(FlowControl):
         }.get(state)
         if key is None:
             raise InvalidJobError(
-                f"finished jobs of state {state} are not indexed; use waiting, delayed, active or dead"
+                f"finished jobs of state {state} are not indexed; "
+                "use waiting, delayed, parked, active or dead"
             )
         raw: list[bytes] = await self.redis.zrange(key, offset, offset + limit - 1)  # type: ignore[assignment]
         return [r.decode() for r in raw]
+
+    async def _parked_ids(self) -> list[str]:
+        k = self.keys
+        names: list[bytes] = await self.redis.zrange(k.parkedby, 0, -1)  # type: ignore[assignment]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.zrange(k.parked_prefix + name.decode(), 0, -1, withscores=True)
+            sets: list[list[tuple[bytes, float]]] = await pipe.execute()
+        return [m.decode() for m, _ in sorted((e for s in sets for e in s), key=lambda e: e[1])]
 
     # ---- results ---------------------------------------------------------------
     async def wait_result(self, job_id: str, timeout: float | None = None) -> JSONValue:

@@ -1,6 +1,7 @@
 -- settle: commit the actual usage of a held reservation, or refund it.
 --
 -- KEYS[1 .. 7]  flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
+-- KEYS[8] wake (idle workers are woken when tokens go back to a budget with parked jobs)
 -- ARGV[1] now (ms)  ARGV[2] reservation id  ARGV[3] 'commit' | 'refund' | 'unknown'
 -- ARGV[4] tokens actually used (commit; -1 keeps the reserved amount)
 --
@@ -12,7 +13,8 @@
 -- @include ledger
 
 local K = with_flow_keys({}, 1)
-local state, changed = settle(K, ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[1]))
+local state, changed, freed = settle(K, ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[1]))
+if freed then redis.call('ZADD', KEYS[8], 0, 'w') end
 local r = redis.call('HMGET', K.resvp .. ARGV[2], 'amt', 'over')
 local flag = 0
 if changed then flag = 1 end

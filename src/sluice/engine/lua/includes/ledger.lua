@@ -8,8 +8,11 @@
 --   period  the calendar window the 'used' figure belongs to (day or month number)
 --   parent  name of the budget above it (a tenant under a team), or absent
 --   accepted / rejected / unknown   cumulative reservation counters
--- A rolling budget also has a log, a zset at K.logp .. name: reservation id ->
--- time reserved; a reservation leaves the window (and 'used') win_ms later.
+-- A rolling budget also has a log, a zset at K.logp .. name: member
+-- '<amount> <reservation id>' -> time reserved; the charge leaves the window
+-- (and 'used') win_ms later. The amount lives in the member, not only in the
+-- reservation, so a charge still leaves correctly after the reservation
+-- record has expired (a budget nobody touched for days).
 --
 -- A reservation is a hash at K.resvp .. rid:
 --   amt     tokens charged on every level now (the estimate, then the actual)
@@ -69,6 +72,11 @@ local function period_of(win, now)
   return y * 12 + (m - 1), days_from_civil(ny, nm, 1) * 86400000
 end
 
+-- The amount of a rolling log member ('<amount> <rid>').
+local function log_amount(member)
+  return tonumber(string.match(member, '^(%d+) ')) or 0
+end
+
 -- Loads one budget, moving it into the window that contains `now`; nil if absent.
 local function load_budget(K, name, now)
   local bk = K.budp .. name
@@ -85,13 +93,11 @@ local function load_budget(K, name, now)
     end
   elseif b.win == 'roll' then
     local lk = K.logp .. name
-    local gone = redis.call('ZRANGEBYSCORE', lk, '-inf', now - b.win_ms, 'LIMIT', 0, 1000)
+    local gone = redis.call('ZRANGEBYSCORE', lk, '-inf', now - b.win_ms)
     if #gone > 0 then
-      for i = 1, #gone do
-        b.used = b.used - (tonumber(redis.call('HGET', K.resvp .. gone[i], 'amt')) or 0)
-      end
+      for i = 1, #gone do b.used = b.used - log_amount(gone[i]) end
       if b.used < 0 then b.used = 0 end
-      redis.call('ZREM', lk, unpack(gone))
+      redis.call('ZREMRANGEBYSCORE', lk, '-inf', now - b.win_ms)
       redis.call('HSET', bk, 'used', b.used)
     end
   end
@@ -112,16 +118,19 @@ local function budget_chain(K, name, now)
   return chain
 end
 
--- When a rolling budget will have `need` tokens free (ms), or -1 if never by expiry alone.
+-- When a rolling budget will have `need` tokens free (ms), or -1 if never by
+-- expiry alone. Reads at most 1000 charges: if those are not enough, the time
+-- the 1000th leaves is returned, and the question is asked again then.
 local function roll_free_at(K, b, need)
   local short = need - (b.limit - b.used)
   if short <= 0 then return 0 end
   local log = redis.call('ZRANGE', K.logp .. b.name, 0, 999, 'WITHSCORES')
   local freed = 0
   for i = 1, #log, 2 do
-    freed = freed + (tonumber(redis.call('HGET', K.resvp .. log[i], 'amt')) or 0)
+    freed = freed + log_amount(log[i])
     if freed >= short then return tonumber(log[i + 1]) + b.win_ms end
   end
+  if #log >= 2000 then return tonumber(log[#log]) + b.win_ms end
   return -1
 end
 
@@ -155,7 +164,7 @@ local function reserve(K, rid, job_id, levels, amount, now)
     b.used = b.used + amount
     redis.call('HSET', b.key, 'used', b.used)
     redis.call('HINCRBY', b.key, 'accepted', 1)
-    if b.win == 'roll' then redis.call('ZADD', K.logp .. b.name, now, rid) end
+    if b.win == 'roll' then redis.call('ZADD', K.logp .. b.name, now, amount .. ' ' .. rid) end
     names[i] = b.name
     periods[i] = b.period or 0
   end
@@ -169,22 +178,33 @@ local function split_words(s)
   return out
 end
 
--- Whether reservation `rid` still counts in budget `b` (the same window).
-local function still_counted(K, b, rid, period)
+-- Whether reservation `rid` (charging `amt`) still counts in budget `b` (the same window).
+local function still_counted(K, b, rid, amt, period)
   if b.win == 'day' or b.win == 'month' then return b.period == period end
-  if b.win == 'roll' then return redis.call('ZSCORE', K.logp .. b.name, rid) ~= false end
+  if b.win == 'roll' then return redis.call('ZSCORE', K.logp .. b.name, amt .. ' ' .. rid) ~= false end
   return true
+end
+
+-- Budget `b` has room again: its parked jobs are due for another try now.
+local function room_freed(K, b, now)
+  if redis.call('ZSCORE', K.parkedby, b.name) then
+    redis.call('ZADD', K.parkedby, now, b.name)
+    return true
+  end
+  return false
 end
 
 -- Settles a held reservation: how 'commit' (charge `actual`; a negative
 -- actual keeps the amount charged), 'refund' (charge nothing) or 'unknown'
--- (keep the charge: the provider may have been called). Returns the state
--- after the call, and whether this call changed it.
+-- (keep the charge: the provider may have been called). Tokens given back
+-- make the jobs parked on those budgets due for another try. Returns the
+-- state after the call, whether this call changed it, and whether tokens
+-- were given back to a budget with parked jobs.
 local function settle(K, rid, how, actual, now)
   local rk = K.resvp .. rid
   local r = redis.call('HMGET', rk, 'state', 'amt', 'b', 'p')
-  if not r[1] then return 'missing', false end
-  if r[1] ~= 'held' then return r[1], false end
+  if not r[1] then return 'missing', false, false end
+  if r[1] ~= 'held' then return r[1], false, false end
   local amt = tonumber(r[2]) or 0
   local target = amt
   if how == 'refund' then target = 0 elseif how == 'commit' and actual >= 0 then target = actual end
@@ -192,7 +212,7 @@ local function settle(K, rid, how, actual, now)
   local levels = {}
   for i = 1, #names do
     local b = load_budget(K, names[i], now)
-    if b and still_counted(K, b, rid, tonumber(periods[i]) or 0) then levels[#levels + 1] = b end
+    if b and still_counted(K, b, rid, amt, tonumber(periods[i]) or 0) then levels[#levels + 1] = b end
   end
   local delta = target - amt
   if delta > 0 then
@@ -206,11 +226,19 @@ local function settle(K, rid, how, actual, now)
       delta = room
     end
   end
+  local freed = false
   for i = 1, #levels do
     local b = levels[i]
     b.used = math.max(b.used + delta, 0)
     redis.call('HSET', b.key, 'used', b.used)
     if how == 'unknown' then redis.call('HINCRBY', b.key, 'unknown', 1) end
+    if b.win == 'roll' and delta ~= 0 then
+      local lk = K.logp .. b.name
+      local at = redis.call('ZSCORE', lk, amt .. ' ' .. rid)
+      redis.call('ZREM', lk, amt .. ' ' .. rid)
+      redis.call('ZADD', lk, at, (amt + delta) .. ' ' .. rid)
+    end
+    if delta < 0 and room_freed(K, b, now) then freed = true end
   end
   local state = 'committed'
   if how == 'refund' then state = 'refunded' elseif how == 'unknown' then state = 'unknown' end
@@ -218,5 +246,5 @@ local function settle(K, rid, how, actual, now)
   -- Kept long enough to answer a late commit or refund, and for rolling
   -- windows (at most 7 days) to expire it from their logs.
   redis.call('PEXPIRE', rk, 8 * 86400000)
-  return state, true
+  return state, true, freed
 end
