@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -14,12 +15,12 @@ from sluice.bench.goodput import (
     GoodputSpec,
     compare,
     goodput,
-    goodput_table,
     run_variant,
     spec_meta,
     theoretical_min_s,
     workload,
 )
+from sluice.cli.goodput_cmd import goodput_table
 
 
 def test_workload_is_deterministic_and_varied() -> None:
@@ -42,8 +43,43 @@ def test_goodput_counts_complete_windows_and_takes_the_binding_limit() -> None:
     # Less than a window of arrivals: that one window stands.
     assert goodput(spec, [(5.0, 500), (5.5, 500)])["goodput_tokens_pct"] == 100.0
     assert goodput(spec, [])["goodput_pct"] is None
+    # A run stopped with jobs left: the windows run to the stop, not to the last success.
+    stopped = goodput(spec, [(100.0 + i * 0.1, 90) for i in range(10)], until=104.0)
+    assert stopped["goodput_windows"] == 4 and stopped["goodput_requests_pct"] == 25.0
     minimum, binds = theoretical_min_s(spec, workload(10))
     assert binds == "tokens" and minimum == pytest.approx(sum(c.tokens for c in workload(10)) / 1000)
+
+
+def result(variant: str, *, complete: bool) -> dict[str, Any]:
+    """The figures the table reads, as run_variant returns them."""
+    lat = {"p50_ms": 1000.0, "p95_ms": 2000.0, "p99_ms": 3000.0, "max_ms": 50.0}
+    return {
+        "variant": variant,
+        "complete": complete,
+        "completion_s": 20.0 if complete else None,
+        "theoretical_min_s": 19.0,
+        "goodput_pct": 97.0,
+        "binding": "tokens",
+        "rate_limited": 0 if complete else 900,
+        "wasted_calls": 0 if complete else 900,
+        "calls": 100 if complete else 1000,
+        "e2e": lat,
+        "dispatch_to_arrival": lat,
+        "completed": 100 if complete else 10,
+        "duplicates": 0,
+        "lost_or_failed": 0 if complete else 90,
+    }
+
+
+def test_table_shows_no_time_or_latency_for_a_run_that_did_not_finish() -> None:
+    variants = {LIMITED: result(LIMITED, complete=True), NO_LIMITER: result(NO_LIMITER, complete=False)}
+    assert compare(variants) == {"goodput, % of the provider's limit": 1.0, "total calls": 10.0}
+    console = Console(width=200, record=True)
+    console.print(goodput_table({"spec": spec_meta(GoodputSpec(jobs=100)), "variants": variants}))
+    text = console.export_text()
+    assert "10 / 0 / 90" in text and "x10.00" in text
+    completion = next(line for line in text.splitlines() if "completion time" in line)
+    assert "20.00" in completion and "-" in completion.split("20.00")[1]
 
 
 @pytest.mark.slow

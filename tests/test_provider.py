@@ -62,6 +62,21 @@ def test_token_limit_waits_for_enough_tokens_to_leave() -> None:
         w.admit(101, 20.0)
 
 
+def test_counted_refusals_keep_the_request_window_full() -> None:
+    w = SlidingWindow(requests=2, tokens=100, window=1.0, count_rejected=True)
+    assert w.admit(10, 0.0).accepted and w.admit(10, 0.1).accepted
+    assert not w.admit(10, 0.5).accepted  # logged: a place in the window, no tokens
+    assert w.in_window == (3, 20)
+    # At t=1.15 the first two have left, but the refusal of t=0.5 still holds a place.
+    assert w.admit(10, 1.15).accepted
+    refused = w.admit(10, 1.15)
+    assert not refused.accepted and refused.retry_after == pytest.approx(0.35)
+    # Without counting, a refusal leaves no trace.
+    free = SlidingWindow(requests=1, tokens=None, window=1.0)
+    assert free.admit(1, 0.0).accepted and not free.admit(1, 0.5).accepted
+    assert free.admit(1, 1.0).accepted
+
+
 def test_the_longer_wait_of_both_limits_is_the_answer() -> None:
     w = SlidingWindow(requests=2, tokens=100, window=1.0)
     assert w.admit(90, 0.0).accepted

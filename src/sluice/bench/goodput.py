@@ -73,7 +73,6 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import psutil
-from rich.table import Table
 
 from sluice.bench.common import drop_queue, new_queue_name
 from sluice.bench.goodput_worker import ENV_PROVIDER, ENV_REDIS, ENV_RUNS_KEY
@@ -149,6 +148,8 @@ class GoodputSpec:
     #: the provider's latency per accepted call: fixed + per completion token (seconds)
     latency: float = 0.1
     latency_per_token: float = 0.0002
+    #: the provider counts refused calls against its request limit, as OpenAI documents
+    count_rejected: bool = False
     #: sluice-limited: the request limit as requests // pace per window / pace (see the module's
     #: docstring); a pace that does not divide requests makes the queue's limit a little stricter
     pace: int = 10
@@ -166,7 +167,9 @@ class GoodputSpec:
             raise ValueError(f"pace must be from 1 to requests ({self.requests}), got {self.pace}")
 
     def provider_limits(self) -> ProviderLimits:
-        return ProviderLimits(self.requests, self.tokens, self.window, self.latency, self.latency_per_token)
+        return ProviderLimits(
+            self.requests, self.tokens, self.window, self.latency, self.latency_per_token, self.count_rejected
+        )
 
     def backoff(self) -> Backoff:
         return Backoff.exponential(self.backoff_base, self.backoff_max, jitter=1.0)
@@ -307,6 +310,7 @@ async def _measure(
     t0 = now_ms()
     jobs = await queue.add_bulk(_specs(spec, variant, calls))
     warnings = await _wait(redis, queue, group, spec, runs_key, http, progress)
+    stopped = time.time()
     await asyncio.sleep(SETTLE_S)
     raw_runs: Any = await redis.hgetall(runs_key)
     runs = {k.decode(): int(v) for k, v in raw_runs.items()}
@@ -316,6 +320,7 @@ async def _measure(
     finished = [r for r in records if r.finished_ms is not None and r.id in runs]
     e2e_ms = [float(r.finished_ms - r.created_ms) for r in finished if r.finished_ms is not None]
     lag_ms = [arrivals[r.id] * 1000 - r.started_ms for r in finished if r.id in arrivals and r.started_ms]
+    complete = len(runs) == spec.jobs
     end_ms = max((r.finished_ms for r in finished if r.finished_ms is not None), default=now_ms())
     accepted = [(arrivals[j.id], c.tokens) for j, c in zip(jobs, calls, strict=True) if j.id in arrivals]
     minimum, binds = theoretical_min_s(spec, calls)
@@ -328,17 +333,21 @@ async def _measure(
         "duplicates": sum(v - 1 for v in runs.values() if v > 1),
         "lost_or_failed": spec.jobs - len(runs),
         "dead": counts["dead"],
-        "completion_s": round(completion_s, 3),
+        "complete": complete,
+        #: None unless every job succeeded: the time of the last success says nothing then
+        "completion_s": round(completion_s, 3) if complete else None,
         "theoretical_min_s": round(minimum, 3),
         "theoretical_binding": binds,
-        "completion_vs_min": round(completion_s / minimum, 3) if minimum else None,
-        **goodput(spec, accepted),
+        "completion_vs_min": round(completion_s / minimum, 3) if minimum and complete else None,
+        # Jobs that never succeeded waited until the measurement stopped.
+        **goodput(spec, accepted, None if complete else stopped),
         "calls": provider["requests"],
         "accepted_calls": provider["accepted"],
         "rate_limited": provider["rate_limited"],
         "wasted_calls": provider["requests"] - provider["accepted"],
         "calls_per_job": round(provider["requests"] / spec.jobs, 3),
         "max_attempt": max((r.attempt for r in records), default=0),
+        # Percentiles over the jobs that succeeded (all of them, unless the run is incomplete).
         "e2e": summarize_ms(e2e_ms),
         "dispatch_to_arrival": summarize_ms(lag_ms),
         "provider": provider,
@@ -372,13 +381,16 @@ async def _wait(
         await asyncio.sleep(POLL_S)
 
 
-def goodput(spec: GoodputSpec, accepted: list[tuple[float, int]]) -> dict[str, Any]:
+def goodput(
+    spec: GoodputSpec, accepted: list[tuple[float, int]], until: float | None = None
+) -> dict[str, Any]:
     """Accepted calls and tokens as a share of the provider's limits, in the windows jobs waited.
 
     ``accepted``: (arrival time, tokens) of every accepted call. The windows
     are the complete ones from the first arrival on; the last, partial one,
     in which the queue ran dry, is left out (with none complete, the one
-    window from the first arrival stands). Any interval of one window holds
+    window from the first arrival stands). ``until``: when jobs last waited,
+    for a run that stopped with jobs left. Any interval of one window holds
     at most the limit, so the share is at most 100 %.
     """
     if not accepted:
@@ -389,7 +401,7 @@ def goodput(spec: GoodputSpec, accepted: list[tuple[float, int]]) -> dict[str, A
             "binding": None,
         }
     first = min(t for t, _ in accepted)
-    last = max(t for t, _ in accepted)
+    last = until if until is not None else max(t for t, _ in accepted)
     windows = max(1, int((last - first) / spec.window))
     end = first + windows * spec.window
     inside = [tokens for t, tokens in accepted if t < end]
@@ -411,7 +423,7 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     if a is None or b is None:
         return {}
     out = {}
-    for (label, _, x), (_, _, y) in zip(_rows(a), _rows(b), strict=True):
+    for (label, _, x), (_, _, y) in zip(rows(a), rows(b), strict=True):
         if x and y is not None:
             out[label] = round(y / x, 3)
     return out
@@ -433,9 +445,12 @@ def _n(value: float | None, digits: int = 0, scale: float = 1.0) -> str:
     return "-" if value is None else f"{value * scale:,.{digits}f}"
 
 
-def _rows(r: dict[str, Any]) -> list[tuple[str, str, float | None]]:
-    """(figure, shown, value for the ratio column) of one variant."""
-    e2e, lag = r["e2e"], r["dispatch_to_arrival"]
+def rows(r: dict[str, Any]) -> list[tuple[str, str, float | None]]:
+    """(figure, as shown, value for a ratio or None) of one variant: the report's rows."""
+    lag = r["dispatch_to_arrival"]
+    # A run that stopped with jobs left has no completion time, and the latencies of the
+    # jobs that made it say nothing about the others (the JSON keeps them).
+    e2e = r["e2e"] if r["complete"] else {}
     return [
         ("completion time, s", _n(r["completion_s"], 2), r["completion_s"]),
         ("theoretical minimum, s", _n(r["theoretical_min_s"], 2), None),
@@ -447,52 +462,13 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, str, float | None]]:
         ("429s received", _n(r["rate_limited"]), None),
         ("wasted calls", _n(r["wasted_calls"]), None),
         ("total calls", _n(r["calls"]), r["calls"]),
-        ("end-to-end p50, s", _n(e2e["p50_ms"], 2, 1e-3), e2e["p50_ms"]),
-        ("end-to-end p95, s", _n(e2e["p95_ms"], 2, 1e-3), e2e["p95_ms"]),
-        ("end-to-end p99, s", _n(e2e["p99_ms"], 2, 1e-3), e2e["p99_ms"]),
+        ("end-to-end p50, s", _n(e2e.get("p50_ms"), 2, 1e-3), e2e.get("p50_ms")),
+        ("end-to-end p95, s", _n(e2e.get("p95_ms"), 2, 1e-3), e2e.get("p95_ms")),
+        ("end-to-end p99, s", _n(e2e.get("p99_ms"), 2, 1e-3), e2e.get("p99_ms")),
         ("dispatch to arrival p50 / max, ms", f"{_n(lag['p50_ms'])} / {_n(lag['max_ms'])}", None),
-        ("done / duplicates / lost", f"{r['completed']} / {r['duplicates']} / {r['lost_or_failed']}", None),
+        (
+            "done / duplicates / not done",
+            f"{r['completed']} / {r['duplicates']} / {r['lost_or_failed']}",
+            None,
+        ),
     ]
-
-
-def _queue_limits(meta: dict[str, Any]) -> str:
-    window, pace, headroom_ms = meta["window"], meta["pace"], meta["headroom"] * 1000
-    starts = f"{meta['requests'] // pace:,} starts per {window / pace:g} s"
-    if pace > 1:
-        starts += f" (paced: the provider's {meta['requests']:,} per {window:g} s in {pace} steps)"
-    return (
-        f"{starts} and {meta['tokens']:,} tokens per {window:g} s, every window + {headroom_ms:g} ms headroom"
-    )
-
-
-def goodput_table(data: dict[str, Any]) -> Table:
-    """One column per variant, and their ratio; the JSON has the provider's and the engine's counters."""
-    meta = data["spec"]
-    variants: dict[str, dict[str, Any]] = data["variants"]
-    title = (
-        f"Goodput: {meta['jobs']:,} LLM calls, {meta['processes']} worker processes x "
-        f"{meta['concurrency']}, provider limit {meta['requests']:,} requests and "
-        f"{meta['tokens']:,} tokens per {meta['window']:g} s"
-    )
-    table = Table(title=title)
-    table.add_column("")
-    for name in variants:
-        table.add_column(name, justify="right")
-    both = LIMITED in variants and NO_LIMITER in variants
-    if both:
-        table.add_column("no-limiter / limited", justify="right")
-    columns = {name: _rows(r) for name, r in variants.items()}
-    ratios = compare(variants)
-    for i, (label, _, _) in enumerate(next(iter(columns.values()), [])):
-        cells = [columns[name][i][1] for name in variants]
-        if both:
-            cells.append(f"x{ratios[label]:.2f}" if label in ratios else "")
-        table.add_row(label, *cells)
-    table.caption = (
-        f"Workload {meta['workload_tokens']:,} tokens: the minimum is {meta['theoretical_min_s']:g} s "
-        f"({meta['theoretical_binding']} bind). Goodput: accepted calls (or tokens) per complete window "
-        f"while jobs waited, as a share of the limit that binds. End to end: add to finish. "
-        f"sluice-limited: {_queue_limits(meta)}. no-limiter: up to {meta['max_attempts']} attempts, backoff "
-        f"{meta['backoff_base']:g}-{meta['backoff_max']:g} s with full jitter."
-    )
-    return table

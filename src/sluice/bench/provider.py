@@ -85,7 +85,11 @@ class ProviderLimits:
 
     ``requests`` / ``tokens``: accepted per ``window`` seconds (None: no
     such limit). ``latency``: seconds every accepted request takes, plus
-    ``latency_per_token`` per completion token.
+    ``latency_per_token`` per completion token. ``count_rejected``: a
+    refused request still takes a place in the request window, as OpenAI
+    documents ("unsuccessful requests contribute to your per-minute limit"),
+    so that resending at once keeps the window full; by default only
+    accepted requests count.
     """
 
     requests: int | None = None
@@ -93,6 +97,7 @@ class ProviderLimits:
     window: float = 60.0
     latency: float = 0.0
     latency_per_token: float = 0.0
+    count_rejected: bool = False
 
     def __post_init__(self) -> None:
         for name, limit in (("requests", self.requests), ("tokens", self.tokens)):
@@ -124,15 +129,19 @@ class Admission(NamedTuple):
 class SlidingWindow:
     """An exact sliding-window log of accepted requests: (arrival time, tokens).
 
-    An entry accepted at ``t`` holds its share of both limits until
+    With ``count_rejected``, refused requests are logged too, at 0 tokens.
+    An entry logged at ``t`` holds its share of both limits until
     ``t + window`` exactly. The caller passes ``now`` (monotonic seconds), so
     tests can step time; the window never reads the clock.
     """
 
-    def __init__(self, requests: int | None, tokens: int | None, window: float) -> None:
+    def __init__(
+        self, requests: int | None, tokens: int | None, window: float, count_rejected: bool = False
+    ) -> None:
         self.requests = requests
         self.tokens = tokens
         self.window = window
+        self.count_rejected = count_rejected
         self._log: deque[tuple[float, int]] = deque()
         self._tokens_in_window = 0
 
@@ -173,6 +182,8 @@ class SlidingWindow:
         wait_t = self._wait_for_tokens(cost, now)
         if wait_r > 0 or wait_t > 0:
             reason = "requests" if wait_r >= wait_t else "tokens"
+            if self.count_rejected and self.requests is not None:
+                self._log.append((now, 0))  # a place in the request window, no tokens
             return Admission(False, max(wait_r, wait_t), reason, *self._remaining())
         self._log.append((now, cost))
         self._tokens_in_window += cost
@@ -244,7 +255,7 @@ class SimulatedProvider:
 
     def __init__(self, limits: ProviderLimits) -> None:
         self.limits = limits
-        self._window = SlidingWindow(limits.requests, limits.tokens, limits.window)
+        self._window = SlidingWindow(limits.requests, limits.tokens, limits.window, limits.count_rejected)
         self._stats = ProviderStats()
         self._ids = 0
         self._arrivals: dict[str, float] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import TaskID
@@ -15,6 +15,9 @@ from rich.progress import TaskID
 from sluice.cli.bench_cmd import JsonOpt, RedisOpt, _progress, _save, _warn, bench_app, console
 from sluice.cli.runtime import run
 from sluice.engine.connection import connect
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 @bench_app.command("goodput")
@@ -33,6 +36,13 @@ def goodput(
     latency_per_token: Annotated[
         float, typer.Option(min=0, help="Plus seconds per completion token.")
     ] = 0.0002,
+    count_rejected: Annotated[
+        bool,
+        typer.Option(
+            "--count-rejected/--free-rejected",
+            help="The provider counts refused calls against its request limit (as OpenAI documents).",
+        ),
+    ] = False,
     pace: Annotated[
         int, typer.Option(min=1, help="sluice-limited: the request limit in this many steps per window.")
     ] = 10,
@@ -57,7 +67,7 @@ def goodput(
     """Run LLM calls against a simulated rate-limited provider: a limited queue vs retry-on-429."""
     # Imported here: every `sluice` command (a worker's start-up too) loads this module.
     from sluice.bench.common import bench_redis, machine_meta
-    from sluice.bench.goodput import VARIANTS, GoodputSpec, compare, goodput_table, run_variant, spec_meta
+    from sluice.bench.goodput import VARIANTS, GoodputSpec, compare, run_variant, spec_meta
 
     chosen = variant or list(VARIANTS)
     unknown = [v for v in chosen if v not in VARIANTS]
@@ -74,6 +84,7 @@ def goodput(
             tokens=tpw,
             latency=latency,
             latency_per_token=latency_per_token,
+            count_rejected=count_rejected,
             pace=pace,
             headroom=headroom_ms / 1000,
             max_attempts=max_attempts,
@@ -107,3 +118,52 @@ def goodput(
         data = run(go(url, origin))
     console.print(goodput_table(data))
     _save(json_path, data)
+
+
+def _queue_limits(meta: dict[str, Any]) -> str:
+    window, pace, headroom_ms = meta["window"], meta["pace"], meta["headroom"] * 1000
+    starts = f"{meta['requests'] // pace:,} starts per {window / pace:g} s"
+    if pace > 1:
+        starts += f" (paced: the provider's {meta['requests']:,} per {window:g} s in {pace} steps)"
+    return (
+        f"{starts} and {meta['tokens']:,} tokens per {window:g} s, every window + {headroom_ms:g} ms headroom"
+    )
+
+
+def goodput_table(data: dict[str, Any]) -> Table:
+    """One column per variant, and their ratio; the JSON has the provider's and the engine's counters."""
+    from rich.table import Table
+
+    from sluice.bench.goodput import LIMITED, NO_LIMITER, compare, rows
+
+    meta = data["spec"]
+    variants: dict[str, dict[str, Any]] = data["variants"]
+    title = (
+        f"Goodput: {meta['jobs']:,} LLM calls, {meta['processes']} worker processes x "
+        f"{meta['concurrency']}, provider limit {meta['requests']:,} requests and "
+        f"{meta['tokens']:,} tokens per {meta['window']:g} s"
+    )
+    table = Table(title=title)
+    table.add_column("")
+    for name in variants:
+        table.add_column(name, justify="right")
+    both = LIMITED in variants and NO_LIMITER in variants
+    if both:
+        table.add_column("no-limiter / limited", justify="right")
+    columns = {name: rows(r) for name, r in variants.items()}
+    ratios = compare(variants)
+    for i, (label, _, _) in enumerate(next(iter(columns.values()), [])):
+        cells = [columns[name][i][1] for name in variants]
+        if both:
+            cells.append(f"x{ratios[label]:.2f}" if label in ratios else "")
+        table.add_row(label, *cells)
+    refusals = "count against its request limit" if meta["count_rejected"] else "cost the client nothing"
+    table.caption = (
+        f"The provider's refusals {refusals}. Workload {meta['workload_tokens']:,} tokens: "
+        f"the minimum is {meta['theoretical_min_s']:g} s "
+        f"({meta['theoretical_binding']} bind). Goodput: accepted calls (or tokens) per complete window "
+        f"while jobs waited, as a share of the limit that binds. End to end: add to finish. "
+        f"sluice-limited: {_queue_limits(meta)}. no-limiter: up to {meta['max_attempts']} attempts, backoff "
+        f"{meta['backoff_base']:g}-{meta['backoff_max']:g} s with full jitter."
+    )
+    return table
