@@ -55,9 +55,10 @@ the one whose place in the window it takes arrives one too many, and gets a
   ``headroom / window`` of the limit (2.5 % for 25 ms here, 0.04 % on a
   real 60-second window).
 
-Measured on the 2-core development machine, 2,000 calls: without pacing or
-headroom about 370 calls got 429; without pacing, 100 ms of headroom was
-needed; paced, 20-25 ms.
+Measured on the 2-core development machine with 2,000 calls (another job
+using about one core): unpaced, 394 calls got 429 without headroom and still
+30 with 100 ms; paced in 10 steps, 105 without headroom and none with 25 ms
+(goodput 97 %).
 """
 
 from __future__ import annotations
