@@ -64,8 +64,6 @@ using about one core): unpaced, 394 calls got 429 without headroom and still
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -73,11 +71,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import psutil
 
 from sluice.bench.common import drop_queue, new_queue_name
 from sluice.bench.goodput_worker import ENV_PROVIDER, ENV_REDIS, ENV_RUNS_KEY
-from sluice.bench.procs import WorkerGroup, worker_argv
+from sluice.bench.procs import WorkerGroup
 from sluice.bench.provider import (
     ARRIVALS_PATH,
     STATS_PATH,
@@ -185,32 +182,6 @@ def theoretical_min_s(spec: GoodputSpec, calls: list[Call]) -> tuple[float, str]
     return by_requests * spec.window, "requests"
 
 
-@dataclass
-class _Workers(WorkerGroup):
-    """Worker processes running the goodput worker (WorkerGroup starts the no-op one)."""
-
-    def start(self, count: int) -> None:
-        env = {**os.environ, "SLUICE_LOG_LEVEL": "warning", **self.env}
-        for _ in range(count):
-            wid = f"w{len(self.ids) + 1}"
-            log = open(self.log_dir / f"{wid}.log", "wb") if self.log_dir else None  # noqa: SIM115
-            try:
-                proc = subprocess.Popen(
-                    worker_argv(self.url, self.queue, self.concurrency, wid, target=WORKER_TARGET),
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=log if log is not None else subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            finally:
-                if log is not None:
-                    log.close()  # the child holds its own descriptor
-            self.procs.append(proc)
-            self.handles.append(psutil.Process(proc.pid))
-            self.ids.append(wid)
-
-
 async def run_variant(
     redis: Redis,
     url: str,
@@ -227,7 +198,7 @@ async def run_variant(
     runs_key = queue.keys.base + "bench-runs"
     with serve_provider(spec.provider_limits()) as provider_url:
         env = {ENV_PROVIDER: provider_url, ENV_REDIS: url, ENV_RUNS_KEY: runs_key}
-        group = _Workers(url, name, spec.concurrency, env=env, log_dir=log_dir)
+        group = WorkerGroup(url, name, spec.concurrency, env=env, log_dir=log_dir, target=WORKER_TARGET)
         try:
             group.start(spec.processes)
             await _wait_for_workers(queue, group)

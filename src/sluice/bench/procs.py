@@ -74,6 +74,8 @@ class WorkerGroup:
     env: Mapping[str, str] = field(default_factory=dict)
     #: where each worker's stderr goes (``<id>.log``); None discards it
     log_dir: Path | None = None
+    #: the ``module:worker`` the processes run
+    target: str = WORKER_TARGET
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     handles: list[psutil.Process] = field(default_factory=list)
     ids: list[str] = field(default_factory=list)
@@ -85,7 +87,7 @@ class WorkerGroup:
             log = open(self.log_dir / f"{wid}.log", "wb") if self.log_dir else None  # noqa: SIM115
             try:
                 proc = subprocess.Popen(
-                    worker_argv(self.url, self.queue, self.concurrency, wid),
+                    worker_argv(self.url, self.queue, self.concurrency, wid, self.target),
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,

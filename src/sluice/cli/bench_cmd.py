@@ -30,7 +30,7 @@ RedisOpt = Annotated[
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Write every figure to this JSON file.")]
 
 
-def _progress() -> Progress:
+def progress_bar() -> Progress:
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -78,7 +78,7 @@ def throughput(
         try:
             meta = await machine_meta(client, url, origin)
             runs = []
-            with tempfile.TemporaryDirectory(prefix="sluice-bench-logs-") as logs, _progress() as bar:
+            with tempfile.TemporaryDirectory(prefix="sluice-bench-logs-") as logs, progress_bar() as bar:
                 for i, spec in enumerate(specs):
                     label = f"c={spec.concurrency} p={spec.processes} run {i + 1}/{len(specs)}"
                     task = bar.add_task(label, total=spec.jobs)
@@ -87,7 +87,7 @@ def throughput(
                         bar.update(task, completed=done)
 
                     runs.append(await drain_once(client, url, spec, Path(logs), show))
-                    _warn(runs[-1])
+                    print_warnings(runs[-1])
         finally:
             await client.aclose()
         return {"meta": {**meta, "jobs": jobs, "reps": reps}, "summary": summarize(runs), "runs": runs}
@@ -95,7 +95,7 @@ def throughput(
     with bench_redis(redis) as (url, origin):
         data = run(go(url, origin))
     console.print(throughput_table(data["summary"], jobs))
-    _save(json_path, data)
+    save_json(json_path, data)
 
 
 @bench_app.command("latency")
@@ -122,7 +122,7 @@ def latency(
         client = connect(url)
         try:
             meta = await machine_meta(client, url, origin)
-            with tempfile.TemporaryDirectory(prefix="sluice-bench-logs-") as logs, _progress() as bar:
+            with tempfile.TemporaryDirectory(prefix="sluice-bench-logs-") as logs, progress_bar() as bar:
                 task = bar.add_task("round trips", total=warmup + samples)
                 result = await latency_run(
                     client, url, spec, Path(logs), lambda done: bar.update(task, completed=done)
@@ -136,15 +136,15 @@ def latency(
     console.print(latency_table(data["latency"]))
     for error in data["latency"]["errors"][:5]:
         console.print(f"[yellow]{error}[/yellow]")
-    _save(json_path, data)
+    save_json(json_path, data)
 
 
-def _warn(result: dict[str, Any]) -> None:
+def print_warnings(result: dict[str, Any]) -> None:
     for warning in result.get("warnings") or []:
         console.print(f"[yellow]warning:[/yellow] {warning[:500]}")
 
 
-def _save(path: Path | None, data: dict[str, Any]) -> None:
+def save_json(path: Path | None, data: dict[str, Any]) -> None:
     from sluice.bench.common import write_json
 
     if path is not None:

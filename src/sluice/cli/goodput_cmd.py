@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.progress import TaskID
 
-from sluice.cli.bench_cmd import JsonOpt, RedisOpt, _progress, _save, _warn, bench_app, console
+from sluice.cli.bench_cmd import (
+    JsonOpt,
+    RedisOpt,
+    bench_app,
+    console,
+    print_warnings,
+    progress_bar,
+    save_json,
+)
 from sluice.cli.runtime import run
 from sluice.engine.connection import connect
 
@@ -101,7 +109,7 @@ def goodput(
         results: dict[str, dict[str, Any]] = {}
         try:
             meta = await machine_meta(client, url, origin)
-            with tempfile.TemporaryDirectory(prefix="sluice-bench-logs-") as logs, _progress() as bar:
+            with tempfile.TemporaryDirectory(prefix="sluice-bench-logs-") as logs, progress_bar() as bar:
                 for name in chosen:
                     task = bar.add_task(name, total=jobs)
 
@@ -109,7 +117,7 @@ def goodput(
                         bar.update(task, completed=done, description=f"{name} ({rejected:,} x 429)")
 
                     results[name] = await run_variant(client, url, spec, name, Path(logs), show)
-                    _warn(results[name])
+                    print_warnings(results[name])
         finally:
             await client.aclose()
         return {"meta": meta, "spec": spec_meta(spec), "variants": results, "ratios": compare(results)}
@@ -117,7 +125,7 @@ def goodput(
     with bench_redis(redis) as (url, origin):
         data = run(go(url, origin))
     console.print(goodput_table(data))
-    _save(json_path, data)
+    save_json(json_path, data)
 
 
 def _queue_limits(meta: dict[str, Any]) -> str:

@@ -54,7 +54,7 @@ def lab(
     from sluice.bench.common import bench_redis, machine_meta
     from sluice.bench.lab import MODES, Workload, run_mode
     from sluice.bench.lab_report import lab_table, throttle_table, write_report
-    from sluice.cli.bench_cmd import _progress
+    from sluice.cli.bench_cmd import progress_bar
 
     modes = list(MODES) if mode is LabMode.compare else [mode.value]
     workload = Workload()
@@ -64,7 +64,7 @@ def lab(
         results = []
         try:
             meta = await machine_meta(client, url, origin)
-            with _progress() as bar:
+            with progress_bar() as bar:
                 tasks = {m: bar.add_task(m, total=workload.load_jobs + workload.race_jobs) for m in modes}
 
                 def show(m: str, done: int, total: int) -> None:
