@@ -6,6 +6,12 @@
    reservation record, which is kept 8 days: a budget left alone longer kept
    the charge for ever.
 3. A rolling window let at most 1000 charges leave per call.
+
+And of the bugs a review found (4-9): a calendar window reset by a caller
+whose clock was behind; overuse not charged to a budget while the token-rate
+window was full; a worker that filled its slots keeping the only timer for a
+parked job; a record without a waiting score failing every dispatch; attempts
+that never ran a handler kept charged as "unknown"; unchecked token counts.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
 
-from sluice import JobContext, JobSpec, Queue, Worker
+from sluice import BudgetError, ConfigurationError, JobContext, JobFailed, JobSpec, JobState, Queue, Worker
+from sluice.engine.job import MAX_TOKENS
 from tests.conftest import running
 
 T = 1_800_000_000_000
@@ -128,3 +136,113 @@ async def test_a_rolling_budget_counts_none_of_its_expired_charges(queue: Queue)
     job = await queue.add("llm", tokens=1501, budget="roll")
     reply = await queue.step(now=later, want=1, lease_ms=10_000, worker_id="w")
     assert reply.jobs[:1] == [job.id.encode()], await job.info()
+
+
+# ---- 4. a calendar window only moves forward -----------------------------------------------------------
+async def test_a_caller_whose_clock_is_behind_does_not_restart_a_day_window(queue: Queue) -> None:
+    # Given a day budget of 100, charged 100 just after midnight by one worker
+    b = queue.budgets
+    midnight = (T // DAY_MS + 1) * DAY_MS
+    await b.create("daily", 100, window="day", now=midnight - 10)
+    assert (await b.reserve("daily", 100, "a", now=midnight + 1)).accepted
+    # When another worker, its clock 2 ms behind, reads and reserves
+    await b.get("daily", now=midnight - 1)
+    late = await b.reserve("daily", 100, "b", now=midnight - 1)
+    # Then the new day's charge is not forgotten: nothing more fits
+    assert not late.accepted
+    assert (await b.get("daily", now=midnight + 2)).used == 100
+
+
+# ---- 5. overuse is charged to budgets even when the token-rate window is full ------------------------
+async def test_usage_beyond_the_estimate_is_charged_to_the_budget_under_a_full_token_window(
+    queue: Queue,
+) -> None:
+    # Given a tenant budget of 1000 and a token-rate window of 1000 nearly full (900)
+    await queue.set_token_rate_limit(1000, per=60)
+    await queue.budgets.create("tenant", 1000)
+    a = await queue.add("llm", tokens=100, budget="tenant")
+    await queue.add("llm", tokens=800)
+    reply = await queue.step(now=T, want=2, lease_ms=10_000, worker_id="w")
+    assert len(reply.jobs) == 18
+    # When the first job reports 1000 tokens used (900 beyond its estimate)
+    done: Any = [(a.id, str(reply.jobs[1]).encode(), b"c", b"1", 0, 1000)]
+    assert (await queue.step(now=T + 1, want=0, lease_ms=10_000, worker_id="w", outcomes=done)).codes == [1]
+    # Then the tenant is charged all of it (it had room), and the window counts it too
+    tenant = await queue.budgets.get("tenant", now=T + 2)
+    assert (tenant.used, tenant.remaining) == (1000, 0)
+    flow = await queue.flow(now=T + 2)
+    assert flow.tokens_in_window == 1800
+    stored = await queue.budgets.reservation(f"{a.id}:1")
+    assert stored is not None and stored.get("over", "0") == "0"
+
+
+# ---- 6. a worker that fills its slots hands the timer on ----------------------------------------------
+async def test_a_full_step_wakes_an_idle_worker_to_keep_a_parked_jobs_timer(
+    redis: Redis, queue: Queue
+) -> None:
+    # Given a rolling budget of 100: a first job fills it, a second waits on it,
+    # and a third needs no budget
+    await queue.budgets.create("roll", 100, window=2.0, now=T)
+    await queue.add_bulk([JobSpec("llm", tokens=100, budget="roll", on_exhausted="wait") for _ in range(2)])
+    await queue.add("llm")
+    await redis.delete(queue.keys.wake)
+    # When a worker with two free slots takes the first and the third (parking the second)
+    reply = await queue.step(now=T, want=2, lease_ms=10_000, worker_id="w")
+    assert len(reply.jobs) == 18 and reply.next_due == T + 2000
+    assert (await queue.counts())["parked"] == 1
+    # Then an idle worker is woken to learn when the parked job may run: the
+    # full worker may have no slot free by then
+    assert await redis.zcard(queue.keys.wake) == 1
+
+
+# ---- 7. a record without a waiting score does not break dispatch ---------------------------------------
+async def test_a_parked_record_without_its_score_does_not_lose_the_jobs_beside_it(
+    redis: Redis, queue: Queue
+) -> None:
+    # Given an empty budget, a job waiting on it whose record lost its score, and a plain job
+    await queue.budgets.create("empty", 0)
+    damaged = await queue.add("llm", tokens=10, budget="empty", on_exhausted="wait", priority=0)
+    plain = await queue.add("llm", priority=1)
+    await redis.hdel(queue.keys.job(damaged.id), "score")
+    # When a worker asks for both
+    reply = await queue.step(now=T, want=2, lease_ms=10_000, worker_id="w")
+    # Then the plain job runs and the damaged one is parked in its place in line
+    assert reply.jobs[:1] == [plain.id.encode()]
+    assert await damaged.state() is JobState.PARKED
+    assert await queue.ids(JobState.PARKED) == [damaged.id]
+
+
+# ---- 8. an attempt that never ran a handler gives its tokens back -----------------------------------------
+async def test_a_job_without_a_handler_is_not_charged(redis: Redis, prefix: str, queue: Queue) -> None:
+    # Given a budgeted job that no handler of the worker serves
+    await queue.budgets.create("team", 1000)
+    job = await queue.add("nobody", tokens=400, budget="team")
+    w = Worker("q", prefix=prefix, concurrency=1, lease=5.0)
+
+    @w.handler
+    async def other(ctx: JobContext) -> None:
+        return None
+
+    # When the worker dead-letters it
+    async with running(w, redis):
+        with pytest.raises(JobFailed):
+            await job.result(timeout=10)
+    # Then nothing was charged: no handler ran, so no provider was called
+    team = await queue.budgets.get("team")
+    assert (team.used, team.unknown_outcomes) == (0, 0)
+    assert (await queue.counts())["unknown_outcome"] == 0
+
+
+# ---- 9. token counts stay where Lua writes them exactly --------------------------------------------------
+async def test_token_counts_past_the_largest_are_refused(queue: Queue) -> None:
+    with pytest.raises(ConfigurationError, match="at most"):
+        await queue.set_token_rate_limit(MAX_TOKENS + 1)
+    await queue.budgets.create("big", MAX_TOKENS - 5)
+    with pytest.raises(BudgetError, match="past"):
+        await queue.budgets.top_up("big", 10)
+    assert (await queue.budgets.get("big")).limit == MAX_TOKENS - 5
+    ctx = JobContext("q", "1", "llm", None, 1, 3, 0, "w", b"1")
+    with pytest.raises(ValueError, match="from 0 to"):
+        ctx.record_usage(MAX_TOKENS + 1)
+    with pytest.raises(ValueError, match="an outcome is"):
+        await queue.step(now=T, want=0, lease_ms=100, worker_id="w", outcomes=[("1", b"1", b"c", b"1", 0)])  # type: ignore[list-item]

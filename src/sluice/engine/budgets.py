@@ -295,6 +295,11 @@ class Budgets:
         code, limit = await self._put(name, op, tokens, "", 0, "", now)
         if code == -1:
             raise BudgetError(f"no budget named {name!r}; create it with queue.budgets.create()")
+        if code == -4:
+            raise BudgetError(
+                f"topping up {name!r} by {tokens} would take its limit past {MAX_TOKENS}; "
+                "set a lower limit with set_limit"
+            )
         return int(limit)
 
     async def _put(
@@ -305,6 +310,6 @@ class Budgets:
         at = now if now is not None else now_ms()
         code, limit = await q.scripts.budget_put(
             keys=[*k.flow, k.waiting, k.wake, k.job_prefix, k.events],
-            args=[at, name, op, tokens, win, win_ms, parent, q.events_maxlen],
+            args=[at, name, op, tokens, win, win_ms, parent, q.events_maxlen, MAX_TOKENS],
         )
         return int(code), int(limit)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluice.engine.job import MAX_TOKENS
+
 
 class JobContext:
     """One running attempt of a job, passed to its handler.
@@ -60,8 +62,8 @@ class JobContext:
         completed attempt keeps its whole estimate charged, and any other
         outcome keeps it charged as "unknown outcome" (safe with money).
         """
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-            raise ValueError(f"tokens must be an integer >= 0, got {tokens!r}")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_TOKENS:
+            raise ValueError(f"tokens must be an integer from 0 to {MAX_TOKENS}, got {tokens!r}")
         self.usage = tokens
 
     @property

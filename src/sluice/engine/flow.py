@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from sluice.engine.budgets import TOKEN_RATE_BUDGET, Budgets, BudgetState
 from sluice.engine.clock import now_ms
+from sluice.engine.job import MAX_TOKENS
 from sluice.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ class FlowControl:
             await self._wake()
             return
         limit = _positive_int("tokens", tokens)
+        if limit > MAX_TOKENS:
+            raise ConfigurationError(f"tokens must be at most {MAX_TOKENS}, got {tokens!r}")
         win_ms = _window_ms(per)
         if win_ms < 1000:
             raise ConfigurationError(f"a token-rate window must be at least 1 second, got {per!r}")

@@ -511,6 +511,10 @@ class Queue(FlowControl):
         ]
         job_prefix = k.job_prefix
         for outcome in outcomes:
+            if len(outcome) != 6:
+                raise ValueError(
+                    f"an outcome is (job id, token, kind, value, retry_at, tokens used), got {outcome!r}"
+                )
             keys.append(job_prefix + outcome[0])
             args += outcome
         return keys, args

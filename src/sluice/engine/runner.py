@@ -290,7 +290,8 @@ class Runner:
             # rather than let it stall and come back forever.
             error = CorruptJobError(job_id, f"unreadable fields at dispatch: {exc}")
             log.error("job record unreadable; dead-lettered", worker=self.wid, job=job_id, error=str(exc))
-            self.done.append((job_id, f[1], b"p", str(error).encode(), 0, -1))
+            # usage 0: no handler ran, so nothing can have reached the provider
+            self.done.append((job_id, f[1], b"p", str(error).encode(), 0, 0))
             self.kick.set()
             return
         job = _Running(ctx, f[1])
@@ -325,10 +326,12 @@ class Runner:
                 f"no handler named {ctx.name!r} on worker {self.wid} (it serves: "
                 f"{', '.join(sorted(self.worker.names))})"
             )
+            ctx.usage = 0  # no handler ran: nothing reached the provider
             return self._dead(ctx, error.encode())
         try:
             ctx.payload = decode(ctx.payload)
         except ValueError as exc:
+            ctx.usage = 0
             return self._dead(ctx, str(CorruptJobError(ctx.id, f"payload is not JSON ({exc})")).encode())
         try:
             if timeout is None:

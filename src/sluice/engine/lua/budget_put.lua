@@ -6,10 +6,12 @@
 -- ARGV[4] tokens (the limit; for 'topup' the amount added to it)
 -- ARGV[5] window: '' | 'day' | 'month' | 'roll'   ARGV[6] rolling window (ms)
 -- ARGV[7] parent budget name ('' = none)   ARGV[8] events stream max length
+-- ARGV[9] the largest limit allowed
 --
 -- Returns {code, limit}: 1 done; 0 'create' of a budget that exists (left as
 -- it was); -1 no such budget ('limit', 'topup'); -2 the parent does not
--- exist; -3 the hierarchy would be deeper than 8 levels.
+-- exist; -3 the hierarchy would be deeper than 8 levels; -4 a top-up would
+-- take the limit past the largest allowed (nothing changed).
 -- A raised limit moves the jobs parked on the budget back to waiting.
 
 -- @include emit
@@ -41,6 +43,7 @@ local b = load_budget(K, name, now)
 if not b then return {-1, 0} end
 local limit = tokens
 if op == 'topup' then limit = b.limit + tokens end
+if limit > tonumber(ARGV[9]) then return {-4, b.limit} end
 redis.call('HSET', bk, 'limit', limit)
 if limit > b.limit and unpark(K, name) > 0 then
   emit(K.events, K.maxlen, 'unparked', '', 'budget', name)

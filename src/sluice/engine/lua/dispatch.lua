@@ -41,11 +41,16 @@ promote_due(K, now)
 local at = #out + 1
 out[at] = 0
 local G = load_gates(K, now)
-local _, wait = take_jobs(K, G, now, max_jobs, tonumber(ARGV[3]), ARGV[4], out, C)
+local taken, wait = take_jobs(K, G, now, max_jobs, tonumber(ARGV[3]), ARGV[4], out, C)
 flush_counts(K.stats, C)
 -- Wake another worker only if the queue is open: a refused worker learns
 -- when to come back (next_due), and a freed slot wakes one through the
 -- finishing worker's own call. A caller that takes nothing hands the wake-up on.
 if wait == 0 or (max_jobs <= 0 and wait > 0) then wake_if_waiting(K.waiting, KEYS[6]) end
-out[at] = next_due(K, wait)
+local due = next_due(K, wait)
+-- A caller that filled every slot it asked for may have none left to act on
+-- `due` (a retry, a parked job's window, a gate's opening): an idle worker
+-- is woken to learn it and keep the timer.
+if due > 0 and max_jobs > 0 and taken >= max_jobs then redis.call('ZADD', KEYS[6], 0, 'w') end
+out[at] = due
 return out

@@ -128,8 +128,10 @@ end
 -- Gates that depend on the job: the token-rate window and its budget(s).
 -- Returns 'take' and the levels to reserve on; 'skip' (rejected or parked);
 -- or 'block' and when the queue may go on (the token-rate window is full).
-local function admit_job(K, G, jk, id, f, now, C)
-  local tokens = tonumber(f[9]) or 0
+local function admit_job(K, G, jk, id, f, score, now, C)
+  -- A hand-edited record must not credit budgets (negative) or leave a
+  -- charge that never expires (fractional).
+  local tokens = math.max(math.floor(tonumber(f[9]) or 0), 0)
   local levels = {}
   local tpm = G.tpm
   if tpm then
@@ -151,7 +153,7 @@ local function admit_job(K, G, jk, id, f, now, C)
     local refusing = refusing_level(chain, tokens)
     if refusing then
       if f[11] == 'wait' then
-        park_job(K, jk, id, f[12], refusing, tokens, now)
+        park_job(K, jk, id, f[12] or score, refusing, tokens, now)
       else
         reject_job(K, jk, id, 'budget ' .. refusing.name .. ' cannot admit ' .. tokens .. ' tokens ('
                    .. math.max(refusing.limit - refusing.used, 0) .. ' of ' .. refusing.limit
@@ -175,17 +177,15 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
   -- jobs are popped at once (ZPOPMIN), as cheap as a queue without gates;
   -- with one, each is looked at (ZRANGE) and removed only once decided.
   local gated = G.conc or G.rate_max or G.tpm
-  local stride = 2
-  if gated then stride = 1 end
   while taken < max_jobs and examined < 1000 do
     local head
     if gated then
-      head = redis.call('ZRANGE', K.waiting, 0, max_jobs - taken - 1)
+      head = redis.call('ZRANGE', K.waiting, 0, max_jobs - taken - 1, 'WITHSCORES')
     else
       head = redis.call('ZPOPMIN', K.waiting, max_jobs - taken)
     end
     if #head == 0 then break end
-    for i = 1, #head, stride do
+    for i = 1, #head, 2 do
       if gated then
         wait = queue_wait(K, G, now)
         if wait ~= 0 then return taken, wait end
@@ -200,7 +200,7 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
         if gated then redis.call('ZREM', K.waiting, id) end
         C.orphaned = C.orphaned + 1
       else
-        local verdict, levels = admit_job(K, G, jk, id, f, now, C)
+        local verdict, levels = admit_job(K, G, jk, id, f, head[i + 1], now, C)
         if verdict == 'block' then return taken, levels end
         if gated then redis.call('ZREM', K.waiting, id) end
         if verdict == 'take' then
@@ -212,7 +212,7 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
                      'attempt', attempt, 'token', token)
           if #levels > 0 then
             local rid = id .. ':' .. token
-            reserve(K, rid, id, levels, tonumber(f[9]) or 0, now)
+            reserve(K, rid, id, levels, math.max(math.floor(tonumber(f[9]) or 0), 0), now)
             redis.call('HSET', jk, 'rid', rid)
           end
           redis.call('ZADD', K.active, deadline, id)

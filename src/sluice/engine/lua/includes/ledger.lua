@@ -24,8 +24,10 @@
 -- Settling (commit or refund) a reservation that is no longer held changes
 -- nothing, so both are idempotent.
 --
--- Every amount charged to one reservation is the same on all of its levels,
--- which keeps a level's 'used' equal to the sum of its reservations' amounts.
+-- A reservation charges the same amount on all of its levels, which keeps a
+-- level's 'used' equal to the sum of its reservations' amounts; the one
+-- exception is usage beyond the estimate, which the token-rate window takes
+-- in full while budgets take only what they still have room for.
 
 -- Adds the flow-control and ledger key names, passed as KEYS[i] .. KEYS[i + 6]
 -- by every script that uses them (see keys.py: QueueKeys.flow).
@@ -87,7 +89,9 @@ local function load_budget(K, name, now)
              parent = f[6]}
   if b.win == 'day' or b.win == 'month' then
     local p = period_of(b.win, now)
-    if p ~= b.period then
+    -- Only forward: a caller whose clock is a little behind must not start
+    -- the window again (and forget what it holds).
+    if p > b.period then
       b.period, b.used = p, 0
       redis.call('HSET', bk, 'period', p, 'used', 0)
     end
@@ -214,12 +218,18 @@ local function settle(K, rid, how, actual, now)
     local b = load_budget(K, names[i], now)
     if b and still_counted(K, b, rid, amt, tonumber(periods[i]) or 0) then levels[#levels + 1] = b end
   end
-  local delta = target - amt
+  local full = target - amt
+  local delta = full
   if delta > 0 then
-    -- Usage beyond the reservation is charged only as far as every level can
-    -- still admit it: a balance never goes below zero. The rest is reported.
+    -- Usage beyond the reservation is charged to the budgets only as far as
+    -- every one can still admit it: a balance never goes below zero. The rest
+    -- is reported. The token-rate window ('#tpm') takes all of it: it only
+    -- measures what went to the provider, and a full window must not keep
+    -- the budgets from being charged.
     local room = delta
-    for i = 1, #levels do room = math.min(room, levels[i].limit - levels[i].used) end
+    for i = 1, #levels do
+      if levels[i].name ~= '#tpm' then room = math.min(room, levels[i].limit - levels[i].used) end
+    end
     if room < 0 then room = 0 end
     if room < delta then
       redis.call('HINCRBY', rk, 'over', delta - room)
@@ -229,16 +239,18 @@ local function settle(K, rid, how, actual, now)
   local freed = false
   for i = 1, #levels do
     local b = levels[i]
-    b.used = math.max(b.used + delta, 0)
+    local d = delta
+    if b.name == '#tpm' then d = full end
+    b.used = math.max(b.used + d, 0)
     redis.call('HSET', b.key, 'used', b.used)
     if how == 'unknown' then redis.call('HINCRBY', b.key, 'unknown', 1) end
-    if b.win == 'roll' and delta ~= 0 then
+    if b.win == 'roll' and d ~= 0 then
       local lk = K.logp .. b.name
       local at = redis.call('ZSCORE', lk, amt .. ' ' .. rid)
       redis.call('ZREM', lk, amt .. ' ' .. rid)
-      redis.call('ZADD', lk, at, (amt + delta) .. ' ' .. rid)
+      redis.call('ZADD', lk, at, (amt + d) .. ' ' .. rid)
     end
-    if delta < 0 and room_freed(K, b, now) then freed = true end
+    if d < 0 and room_freed(K, b, now) then freed = true end
   end
   local state = 'committed'
   if how == 'refund' then state = 'refunded' elseif how == 'unknown' then state = 'unknown' end
