@@ -14,7 +14,6 @@ import asyncio
 import random
 import sys
 from asyncio.subprocess import PIPE
-from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -34,13 +33,12 @@ from sluice import (
     Worker,
 )
 from sluice.engine.connection import connect
-from sluice.engine.queue import StepReply
 from tests.budget_race_proc import go_key, ready_key, shared_size
 from tests.conftest import eventually, running
 from tests.proc_harness import REPO
+from tests.stepping import completed, ids_of, leased, step
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-LEASE_MS = 10_000
 
 
 def ms(y: int, mo: int, d: int, h: int = 0, mi: int = 0, s: int = 0, milli: int = 0) -> int:
@@ -50,24 +48,6 @@ def ms(y: int, mo: int, d: int, h: int = 0, mi: int = 0, s: int = 0, milli: int 
 
 #: A Wednesday noon, UTC: the clock of tests that do not care about the date.
 T = ms(2027, 3, 10, 12)
-
-
-def leased(reply: StepReply) -> list[tuple[str, bytes]]:
-    """(job id, token) of each job a step leased, in order."""
-    j = reply.jobs
-    return [(j[i].decode(), str(j[i + 1]).encode()) for i in range(0, len(j), 9)]
-
-
-def ids_of(reply: StepReply) -> list[str]:
-    return [job_id for job_id, _ in leased(reply)]
-
-
-def completed(job_id: str, token: bytes, usage: int = -1) -> tuple[str, bytes, bytes, bytes, int, int]:
-    return (job_id, token, b"c", b'"ok"', 0, usage)
-
-
-async def step(queue: Queue, now: int, want: int = 10, outcomes: Sequence[Any] = ()) -> StepReply:
-    return await queue.step(now=now, want=want, lease_ms=LEASE_MS, worker_id="w", outcomes=outcomes)
 
 
 async def events_of(redis: Redis, queue: Queue, name: str) -> list[dict[str, str]]:

@@ -37,32 +37,14 @@ from sluice import (
 )
 from sluice.engine.clock import now_ms
 from sluice.engine.job import MAX_TOKENS
-from sluice.engine.queue import StepReply
 from tests.conftest import eventually, running
 from tests.flow_workers import peaks_key, spans_key
 from tests.proc_harness import REPO, WorkerProc, WorkerProcs
+from tests.stepping import LEASE_MS, completed, leased, step
+from tests.stepping import ids_of as ids
 
 #: A fixed clock for the tests that pass ``now`` (Unix ms).
 T = 1_800_000_000_000
-LEASE_MS = 10_000
-
-
-def leased(reply: StepReply) -> list[tuple[str, bytes]]:
-    """(job id, token) of each job a step leased, in order."""
-    j = reply.jobs
-    return [(j[i].decode(), str(j[i + 1]).encode()) for i in range(0, len(j), 9)]
-
-
-def ids(reply: StepReply) -> list[str]:
-    return [job_id for job_id, _ in leased(reply)]
-
-
-def completed(job_id: str, token: bytes, usage: int = -1) -> tuple[str, bytes, bytes, bytes, int, int]:
-    return (job_id, token, b"c", b'"ok"', 0, usage)
-
-
-async def step(queue: Queue, now: int, want: int = 10, outcomes: Sequence[Any] = ()) -> StepReply:
-    return await queue.step(now=now, want=want, lease_ms=LEASE_MS, worker_id="w", outcomes=outcomes)
 
 
 # ---- the token-rate window ------------------------------------------------------------------------------
