@@ -101,3 +101,37 @@ async def test_dlq_list_redrive_purge(redis_url: str, redis: Redis, prefix: str)
     assert await q.job_state(jobs[0].id) is JobState.WAITING
     assert "purged 1 job(s)" in await invoke("dlq", "purge", "--yes", "--queue", name, "--redis", redis_url)
     assert await q.get_job(jobs[1].id) is None
+
+
+async def test_budget_and_flow_commands_change_the_queue(redis_url: str, redis: Redis) -> None:
+    name = "ledger" + str(id(redis))
+    q = Queue(name, redis=redis)
+    where = ["--queue", name, "--redis", redis_url]
+    # budgets: create a team and a tenant under it, top the tenant up, list them
+    await invoke("budget", "create", "team", "1000", "--window", "month", *where)
+    await invoke("budget", "create", "tenant", "200", "--window", "3600", "--parent", "team", *where)
+    await invoke("budget", "top-up", "tenant", "50", *where)
+    tenant = await q.budgets.get("tenant")
+    assert (tenant.limit, tenant.window, tenant.window_seconds, tenant.parent) == (
+        250,
+        "rolling",
+        3600,
+        "team",
+    )
+    out = await invoke("budget", "list", *where)
+    assert "team" in out and "tenant" in out and "rolling 3600 s" in out and "month" in out
+    bad = await asyncio.to_thread(runner.invoke, app, ["budget", "top-up", "nobody", "5", *where])
+    assert bad.exit_code == 1 and "no budget named 'nobody'" in bad.output
+    # flow: set limits, pause, throttle, resume, remove a limit
+    await invoke("flow", "set", "--concurrency", "4", "--rate", "4/1", "--tokens", "9000/60", *where)
+    await invoke("flow", "pause", *where)
+    await invoke("flow", "throttle", "30", *where)
+    f = await q.flow()
+    assert (f.concurrency, f.rate_max, f.rate_per_seconds, f.token_limit, f.paused) == (4, 4, 1.0, 9000, True)
+    assert f.throttled_until_ms is not None
+    await invoke("flow", "resume", *where)
+    await invoke("flow", "throttle", "0", *where)
+    out = await invoke("flow", "set", "--rate", "none", *where)
+    f = await q.flow()
+    assert (f.paused, f.throttled_until_ms, f.rate_max, f.concurrency) == (False, None, None, 4)
+    assert "request rate" in out and "none" in out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from sluice.cli import bench_cmd, demo, goodput_cmd, jobs_cmd, lab_cmd, logs, worker_cmd
+from sluice.cli import bench_cmd, budget_cmd, demo, goodput_cmd, jobs_cmd, lab_cmd, logs, worker_cmd
 
 app = typer.Typer(
     name="sluice",
@@ -23,6 +23,8 @@ app.command("info")(jobs_cmd.info)
 app.command("enqueue")(jobs_cmd.enqueue)
 app.command("show")(jobs_cmd.show)
 app.add_typer(jobs_cmd.dlq_app, name="dlq")
+app.add_typer(budget_cmd.budget_app, name="budget")
+app.add_typer(budget_cmd.flow_app, name="flow")
 app.add_typer(bench_cmd.bench_app, name="bench")  # with `lab` and `goodput`, registered by their modules
 _ = lab_cmd, goodput_cmd
 
