@@ -302,7 +302,12 @@ class Model:
                 )
             )
         self._wake_if_waiting()
-        return codes, self.next_due(), leased
+        due = self.next_due()
+        # A worker that filled every slot it asked for may have none free when
+        # `due` comes: an idle worker is woken to keep the timer.
+        if due > 0 and want > 0 and len(leased) >= want:
+            self.wake = True
+        return codes, due, leased
 
     def _finish(self, now: int, job_id: str, token: bytes, kind: bytes, value: bytes, retry_at: int) -> int:
         job = self.jobs.get(job_id)
