@@ -1,19 +1,29 @@
-"""Model-based tests: the Lua scripts against a plain-Python model of the job lifecycle.
+"""Model-based tests: the Lua scripts against a plain-Python model of the job lifecycle,
+the flow controls and the token ledger.
 
 A hypothesis state machine applies one random sequence of operations (add,
-advance the clock, step with outcomes, extend, reap, cancel, redrive, purge)
-to a real Redis, through Queue, and to tests/model.py, and after every
-operation compares everything: each job's hash (state, attempt, failures,
-stalls, token, times, result, error, cancel request, TTL), the four sorted
-sets with their scores (so the dispatch order of waiting jobs), the sequence,
+advance or jump the clock, step with outcomes, extend, reap, cancel, redrive,
+purge; set and clear the global concurrency, the request- and token-rate
+limits, pause, resume, throttle; create budgets with and without parents and
+windows, top them up, set their limits, read them; reserve, commit and
+refund directly) to a real Redis, through Queue, and to tests/model.py, and
+after every operation compares everything: each job's hash (state, attempt,
+failures, stalls, token, times, result, error, cancel request, tokens,
+budget, reservation id, usage, parked budget, TTL), the four sorted sets with
+their scores (so the dispatch order of waiting jobs), the sequence,
 idempotency keys, the counters and counts(), the wake marker, the event
-stream, and the set of keys the queue owns. Each operation's answer is
-compared too (step's codes, leased jobs in order and next_due; extend's codes;
-reap's totals; cancel/redrive/purge results and errors).
+stream, the control hash, the request-rate window, every budget record,
+rolling log, parked set and the parkedby schedule, every reservation record
+(and whether it expires), and the set of keys the queue owns. Each
+operation's answer is compared too (step's codes, leased jobs in order and
+next_due; extend's codes; reap's totals; cancel/redrive/purge results and
+errors; budget states, reservations, settlements, flow()).
 
-Time is the model's: Queue.add and Queue.cancel read sluice.engine.queue.now_ms,
-which the tests replace with a controlled clock; step, extend and reap take
-``now`` explicitly.
+Time is the model's: Queue.add, Queue.cancel and Queue.throttle read
+now_ms, which the tests replace with a controlled clock; step, extend, reap
+and the ledger calls take ``now`` explicitly. The clock only moves forward,
+in small steps (lease, rate and rolling windows are 50 ms to 2.5 s) and in
+jumps to UTC day and month boundaries (so calendar windows turn).
 
 hypothesis and pytest-asyncio do not mix, so the state machine runs its own
 event loop with its own Redis client (for the session's server).
@@ -22,7 +32,9 @@ event loop with its own Redis client (for the session's server).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import secrets
 from collections.abc import Awaitable, Iterator
 from typing import Any, ClassVar, TypeVar
@@ -40,38 +52,71 @@ from hypothesis.stateful import (
 )
 from redis.asyncio import Redis
 
+import sluice.engine.budgets as budgets_module
+import sluice.engine.flow as flow_module
 import sluice.engine.queue as queue_module
-from sluice import JobNotFound, JobRecord, JobSpec, JobState, JobStateError, Queue
+from sluice import (
+    BudgetError,
+    JobNotFound,
+    JobRecord,
+    JobSpec,
+    JobState,
+    JobStateError,
+    Queue,
+    Reservation,
+    Settlement,
+)
 from sluice.engine.backoff import DEFAULT_BACKOFF
 from sluice.engine.connection import connect
+from sluice.engine.keys import QueueKeys
 from tests.model import (
     ACTIVE,
     CANCELLED,
     DEAD,
     DELAYED,
     LIVE_SETS,
+    PARKED,
+    REJECTED,
+    TOKEN_RATE,
     WAITING,
     AddSpec,
     LeasedJob,
     Model,
     ModelEvent,
+    calendar_window,
 )
 
 T = TypeVar("T")
 
 #: The clock starts here (ms): a realistic Unix time, so numbers render as they will in production.
+#: (2023-11-14 22:13:20 UTC: the next day is 1 h 46 min away, the next month 16 days, then a new year.)
 T0 = 1_700_000_000_000
 #: Small, so both forms of the 'completed' event (with and without the result) happen.
 EV_RESULT_MAX = 8
 IDEM_KEYS = ("k1", "k2", "k3")
 WORKERS = ("w1", "w2")
 #: Outcome values: results are JSON, as the runner sends them (a record holding a result that is
-#: not JSON does not parse), of 1, EV_RESULT_MAX, EV_RESULT_MAX + 1 and more bytes; errors are any text.
+#: not JSON does not parse), of 1, EV_RESULT_MAX, EV_RESULT_MAX + 1 and more bytes; errors are any text;
+#: a throttle's value is the retry-after in ms (negative counts as 0).
 RESULTS = (b"1", b'"123456"', b'"1234567"', b'"a much longer result"')
 ERRORS = (b"boom", b"", b"Traceback: a long error")
+RETRY_AFTERS = (b"0", b"40", b"150", b"1000", b"-20")
 #: retry_at relative to now: in the past, now, and later.
 RETRY_OFFSETS = (-5, 0, 1, 120, 600)
+#: Tokens an attempt reports (-1: none reported), below, at and above the estimates.
+USAGES = (-1, -1, -1, 0, 3, 9, 25)
 LEASES_MS = (100, 250)
+#: Budgets the jobs and rules name; NO_BUDGET is never created (its jobs are rejected).
+BUDGETS = ("A", "B", "C")
+NO_BUDGET = "Z"
+#: Windows as Budgets.create takes them: none, UTC calendar, rolling (seconds).
+WINDOWS: tuple[str | float | None, ...] = (None, "day", "month", 1, 2.5)
+LIMITS = (0, 6, 10, 15)
+#: Token estimates of jobs: a job or two fill a budget of LIMITS or a token-rate window, and
+#: equal charges make a rolling window free exactly the shortfall now and then.
+TOKENS = (0, 3, 5, 9)
+#: Reservation ids of direct reservations (the dispatch script's are <job id>:<token>).
+RIDS = ("r1", "r2", "r3")
 
 
 class Clock:
@@ -87,7 +132,8 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(queue_module, "now_ms", c)
+    for module in (queue_module, flow_module, budgets_module):
+        monkeypatch.setattr(module, "now_ms", c)
     return c
 
 
@@ -103,7 +149,24 @@ def model_spec(spec: JobSpec) -> AddSpec:
         timeout_ms=0 if spec.timeout is None else int(spec.timeout * 1000),
         max_stalls=spec.max_stalls,
         idem=spec.idempotency_key,
+        tokens=spec.tokens,
+        budget=spec.budget,
+        on_exhausted=spec.on_exhausted,
     )
+
+
+def stored(rid: str) -> str:
+    """The key name Budgets gives a caller's reservation id (apart from jobs' <id>:<token>)."""
+    return "u:" + rid
+
+
+def window_args(window: str | float | None) -> tuple[str, int]:
+    """A Budgets.create window as the budget record stores it: (win, win_ms)."""
+    if window is None:
+        return "", 0
+    if isinstance(window, str):
+        return window, 0
+    return "roll", int(window * 1000)
 
 
 specs = st.builds(
@@ -111,19 +174,24 @@ specs = st.builds(
     name=st.sampled_from(["a", "b"]),
     payload=st.none() | st.integers(0, 9),
     priority=st.integers(0, 2),
-    delay=st.sampled_from([0.0, 0.0, 0.1, 0.25]),
+    delay=st.sampled_from([0.0, 0.0, 0.0, 0.1, 0.25]),
     max_attempts=st.sampled_from([2, 3, 1]),
     timeout=st.sampled_from([None, 2.0]),
     idempotency_key=st.none() | st.sampled_from(IDEM_KEYS),
     max_stalls=st.integers(0, 2),
+    tokens=st.sampled_from(TOKENS),
+    budget=st.sampled_from([None, None, "A", "A", "B", "C", NO_BUDGET]),
+    on_exhausted=st.sampled_from(["reject", "wait", "wait"]),
 )
 
-#: A drawn outcome: (job id, token), (kind, value), retry_at - now.
-Drawn = tuple[tuple[str, bytes], tuple[bytes, bytes], int]
+#: A drawn outcome: (job id, token), (kind, value), retry_at - now, tokens used.
+Drawn = tuple[tuple[str, bytes], tuple[bytes, bytes], int, int]
 
-#: (kind, value) of one outcome.
+#: (kind, value) of one outcome: a third of them completions, a fifth throttles.
 outcome_values = st.sampled_from(
-    [(kind, e) for kind in (b"f", b"r", b"p", b"x") for e in ERRORS] + [(b"c", r) for r in RESULTS]
+    [(b"c", r) for r in RESULTS] * 3
+    + [(kind, e) for kind in (b"f", b"f", b"r", b"p", b"x") for e in ERRORS]
+    + [(b"t", ms) for ms in RETRY_AFTERS] * 2
 )
 
 
@@ -132,69 +200,138 @@ def _s(value: bytes) -> str:
     return value.decode()
 
 
-def _event(fields: dict[bytes, bytes]) -> ModelEvent:
-    pairs = [(_s(k), _s(v)) for k, v in fields.items()]
+def _score(value: float) -> float:
+    """A sorted-set score: an integer (ms, or a waiting score), or inf."""
+    return value if math.isinf(value) else int(value)
+
+
+def _sorted(members: dict[str, float]) -> list[tuple[str, float]]:
+    """Members with scores in Redis's order (score, then member bytes)."""
+    return sorted(members.items(), key=lambda m: (m[1], m[0].encode()))
+
+
+#: Reads every key of a queue in one call (KEYS ARGV[1]): per key its name, type, PTTL and
+#: contents (a hash or a sorted set as a flat list, a string as a list of one, a stream as
+#: XRANGE gives it). With ARGV[2] = '1' it then deletes the wake marker (ARGV[3]), as an idle
+#: worker's BZPOPMIN would.
+DUMP = """
+local out = {}
+for _, key in ipairs(redis.call('KEYS', ARGV[1])) do
+  local kind = redis.call('TYPE', key)['ok']
+  local value = {}
+  if kind == 'hash' then value = redis.call('HGETALL', key)
+  elseif kind == 'zset' then value = redis.call('ZRANGE', key, 0, -1, 'WITHSCORES')
+  elseif kind == 'string' then value = {redis.call('GET', key)}
+  elseif kind == 'stream' then value = redis.call('XRANGE', key, '-', '+') end
+  out[#out + 1] = {key, kind, redis.call('PTTL', key), value}
+end
+if ARGV[2] == '1' then redis.call('DEL', ARGV[3]) end
+return out
+"""
+
+
+def _pairs(flat: list[Any]) -> list[tuple[Any, Any]]:
+    return list(zip(flat[::2], flat[1::2], strict=True))
+
+
+def _event(entry: list[Any]) -> ModelEvent:
+    pairs = [(_s(k), _s(v)) for k, v in _pairs(entry[1])]
     assert [k for k, _ in pairs[:2]] == ["ev", "id"], pairs
     return (pairs[0][1], pairs[1][1], *(x for pair in pairs[2:] for x in pair))
 
 
-async def redis_state(queue: Queue, max_id: int) -> dict[str, Any]:
-    """Everything the queue holds in Redis, in the shape of :func:`model_state`: the
-    records of ids 1..max_id, and the names of all keys (so no other key goes unseen)."""
-    r, k = queue.redis, queue.keys
-    async with r.pipeline(transaction=False) as pipe:
-        pipe.keys(k.base + "*")
-        for n in range(1, max_id + 1):
-            pipe.hgetall(k.job(str(n)))
-            pipe.pttl(k.job(str(n)))
-        for name in LIVE_SETS:
-            pipe.zrange(getattr(k, name), 0, -1, withscores=True)
-        pipe.get(k.seq)
-        pipe.hgetall(k.stats)
-        pipe.zrange(k.wake, 0, -1, withscores=True)
-        pipe.xrange(k.events)
-        for key in IDEM_KEYS:
-            pipe.get(k.idem(key))
-            pipe.pttl(k.idem(key))
-        replies: list[Any] = await pipe.execute()
-    rest = iter(replies)
-    keys = sorted(_s(key) for key in next(rest))
+class Dump:
+    """The keys of one queue as DUMP read them."""
+
+    def __init__(self, raw: list[list[Any]]) -> None:
+        self.keys = {_s(key): (_s(kind), ttl, value) for key, kind, ttl, value in raw}
+
+    def value(self, key: str, kind: str) -> list[Any]:
+        found = self.keys.get(key)
+        if found is None:
+            return []
+        assert found[0] == kind, (key, found[0])
+        return list(found[2])
+
+    def hash(self, key: str) -> dict[str, str]:
+        return {_s(f): _s(v) for f, v in _pairs(self.value(key, "hash"))}
+
+    def zset(self, key: str) -> list[tuple[str, float]]:
+        return [(_s(m), _score(float(score))) for m, score in _pairs(self.value(key, "zset"))]
+
+    def named(self, prefix: str) -> dict[str, tuple[str, int, list[Any]]]:
+        """name -> (type, PTTL, contents) of the keys ``prefix + name``."""
+        return {key[len(prefix) :]: v for key, v in self.keys.items() if key.startswith(prefix)}
+
+
+def _queue_sections(d: Dump, k: QueueKeys) -> dict[str, Any]:
     jobs, expiring = {}, {}
-    for job_id in map(str, range(1, max_id + 1)):
-        raw, ttl = next(rest), next(rest)
-        if not raw:
-            continue
+    for job_id, (_, ttl, _) in d.named(k.job_prefix).items():
+        raw = dict(_pairs(d.value(k.job(job_id), "hash")))
         JobRecord.from_hash(job_id, raw, k.idem_prefix)  # every record parses
-        jobs[job_id] = {_s(f): _s(v) for f, v in raw.items()}
+        jobs[job_id] = d.hash(k.job(job_id))
         assert ttl == -1 or ttl > 0
         expiring[job_id] = ttl > 0
-    out: dict[str, Any] = {"keys": keys, "jobs": jobs, "expiring": expiring}
+    out: dict[str, Any] = {"jobs": jobs, "expiring": expiring}
     for name in LIVE_SETS:
-        out[name] = [(_s(m), int(score)) for m, score in next(rest)]
-    seq = next(rest)
-    out["seq"] = int(seq) if seq is not None else 0
-    out["stats"] = {_s(f): int(v) for f, v in next(rest).items()}
-    out["wake"] = [(_s(m), score) for m, score in next(rest)]
-    out["events"] = [_event(fields) for _, fields in next(rest)]
+        out[name] = d.zset(getattr(k, name))
+    seq = d.value(k.seq, "string")
+    out["seq"] = int(seq[0]) if seq else 0
+    out["stats"] = {f: int(v) for f, v in d.hash(k.stats).items()}
+    out["wake"] = d.zset(k.wake)
+    out["events"] = [_event(entry) for entry in d.value(k.events, "stream")]
     idem: dict[str, str] = {}
-    for key in IDEM_KEYS:
-        value, ttl = next(rest), next(rest)
-        if value is not None:
-            assert ttl > 0, f"idempotency key {key} has no TTL"
-            idem[key] = _s(value)
+    for key, (kind, ttl, value) in d.named(k.idem_prefix).items():
+        assert kind == "string" and ttl > 0, f"idempotency key {key} has no TTL"
+        idem[key] = _s(value[0])
     out["idem"] = idem
     return out
 
 
+def _flow_sections(d: Dump, k: QueueKeys) -> dict[str, Any]:
+    out: dict[str, Any] = {"control": d.hash(k.control), "starts": d.zset(k.starts)}
+    out["parkedby"] = d.zset(k.parkedby)
+    out["budgets"] = {}
+    for name, (_, ttl, _) in d.named(k.budget_prefix).items():
+        assert ttl == -1, f"budget {name} expires"
+        out["budgets"][name] = d.hash(k.budget_prefix + name)
+    out["logs"] = {name: d.zset(k.budget_log_prefix + name) for name in d.named(k.budget_log_prefix)}
+    out["parked"] = {name: d.zset(k.parked_prefix + name) for name in d.named(k.parked_prefix)}
+    out["resv"], out["resv_expiring"] = {}, {}
+    for rid, (_, ttl, _) in d.named(k.reservation_prefix).items():
+        assert ttl == -1 or ttl > 0
+        out["resv"][rid] = d.hash(k.reservation_prefix + rid)
+        out["resv_expiring"][rid] = ttl > 0
+    return out
+
+
+async def redis_state(queue: Queue, take_wake: bool = False) -> dict[str, Any]:
+    """Everything the queue holds in Redis, in the shape of :func:`model_state`, read in one
+    call (so no key goes unseen). ``take_wake``: then delete the wake marker."""
+    k = queue.keys
+    raw = await queue.redis.register_script(DUMP)(keys=[], args=[k.base + "*", int(take_wake), k.wake])
+    d = Dump(raw)
+    return {"keys": sorted(d.keys)} | _queue_sections(d, k) | _flow_sections(d, k)
+
+
 def model_state(model: Model, queue: Queue) -> dict[str, Any]:
     k = queue.keys
+    logs = {name: b.log_members() for name, b in model.budgets.items() if b.log}
+    parked = {name: model.parked_set(name) for name in model.budgets}
+    parked = {name: members for name, members in parked.items() if members}
     keys = {k.job(i) for i in model.jobs} | {k.idem(i) for i in model.idem}
     keys |= {getattr(k, name) for name in LIVE_SETS if model.zset(name)}
+    keys |= {k.budget_prefix + name for name in model.budgets}
+    keys |= {k.budget_log_prefix + name for name in logs} | {k.parked_prefix + name for name in parked}
+    keys |= {k.reservation_prefix + rid for rid in model.resv}
     for key, present in (
         (k.seq, model.seq > 0),
         (k.stats, any(model.stats.values())),
         (k.events, bool(model.events)),
         (k.wake, model.wake),
+        (k.control, bool(model.control.hash())),
+        (k.starts, bool(model.starts)),
+        (k.parkedby, bool(model.parkedby)),
     ):
         if present:
             keys.add(key)
@@ -210,22 +347,33 @@ def model_state(model: Model, queue: Queue) -> dict[str, Any]:
     out["wake"] = [("w", 0.0)] if model.wake else []
     out["events"] = model.events
     out["idem"] = dict(model.idem)
+    out["control"] = model.control.hash()
+    out["starts"] = _sorted(dict(model.starts))
+    out["parkedby"] = _sorted(model.parkedby)
+    out["budgets"] = {name: b.hash() for name, b in model.budgets.items()}
+    out["logs"] = logs
+    out["parked"] = parked
+    out["resv"] = {rid: r.hash() for rid, r in model.resv.items()}
+    out["resv_expiring"] = {rid: r.state != "held" for rid, r in model.resv.items()}
     return out
 
 
-async def assert_same(queue: Queue, model: Model) -> None:
-    real, expected = await redis_state(queue, model.seq), model_state(model, queue)
+def _diff(got: dict[str, Any], want: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    return {f: (got.get(f), want.get(f)) for f in got.keys() | want.keys() if got.get(f) != want.get(f)}
+
+
+async def assert_same(queue: Queue, model: Model, take_wake: bool = False) -> None:
+    """Redis and the model hold the same. ``take_wake``: then an idle worker takes the wake
+    marker (BZPOPMIN; the scripts only ever put it), so that whether the next operation
+    puts it back is seen."""
+    model.check()
+    real, expected = await redis_state(queue, take_wake), model_state(model, queue)
     # Section by section, so a failure names what differs.
     for section in expected:
-        if section == "jobs" and real["jobs"].keys() == expected["jobs"].keys():
-            for job_id, want in expected["jobs"].items():
-                got = real["jobs"][job_id]
-                diff = {
-                    f: (got.get(f), want.get(f))
-                    for f in got.keys() | want.keys()
-                    if got.get(f) != want.get(f)
-                }
-                assert not diff, f"job {job_id}: field: (redis, model): {diff}"
+        if section in ("jobs", "budgets", "resv") and real[section].keys() == expected[section].keys():
+            for name, want in expected[section].items():
+                diff = _diff(real[section][name], want)
+                assert not diff, f"{section} {name}: field: (redis, model): {diff}"
         assert real[section] == expected[section], section
     assert await queue.counts() == model.counts()
 
@@ -280,19 +428,39 @@ class QueueMachine(RuleBasedStateMachine):
             options.append(st.sampled_from(stale))
         return st.one_of(*options, st.sampled_from(self.leases))
 
+    def ids_in(self, state: str) -> list[str]:
+        if state == PARKED:
+            return sorted((i for i, j in self.model.jobs.items() if j.state == PARKED), key=int)
+        return self.model.ids(state)
+
     def job_id(self, data: st.DataObject) -> str:
         """Mostly a job in a live state picked first (so that rare states get picked); else
         any id: one that exists (maybe finished), existed (purged) or never did."""
-        states = sorted({j.state for j in self.model.jobs.values()} & set(LIVE_SETS))
+        states = sorted({j.state for j in self.model.jobs.values()} & {*LIVE_SETS, PARKED})
         if not states or data.draw(st.sampled_from([False, False, False, True]), label="any id?"):
             return str(data.draw(st.integers(1, self.model.seq + 1), label="id"))
         state = data.draw(st.sampled_from(states), label="state")
-        return data.draw(st.sampled_from(self.model.ids(state)), label="id")
+        return data.draw(st.sampled_from(self.ids_in(state)), label="id")
 
     def some_ids(self, data: st.DataObject) -> list[str]:
         """1-3 ids, dead ones first (hypothesis shrinks towards them), repeats allowed."""
         pool = self.model.ids(DEAD) + [str(i) for i in range(1, self.model.seq + 2)]
         return data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3), label="ids")
+
+    def edges(self) -> list[int]:
+        """How far away (ms) the next times are at which something changes by itself: the
+        first lease deadline and due time, a parked budget's retry time, the end of a
+        throttle, the request-rate window's and the rolling windows' first expiry."""
+        m, now = self.model, self.clock.now
+        times = [t for _, t in m.zset(ACTIVE)[:1] + m.zset(DELAYED)[:1]]
+        times += [int(t) for t in m.parkedby.values() if not math.isinf(t)]
+        c = m.control
+        if c.throttled_until is not None:
+            times.append(c.throttled_until)
+        if c.rate_ms and m.starts:
+            times.append(min(m.starts.values()) + c.rate_ms)
+        times += [min(at for at, _ in b.log.values()) + b.win_ms for b in m.budgets.values() if b.log]
+        return sorted({t - now for t in times if t >= now})
 
     def has_jobs(self) -> bool:
         return bool(self.model.jobs)
@@ -309,14 +477,17 @@ class QueueMachine(RuleBasedStateMachine):
     # ---- the check after every operation ----------------------------------------------------------------
     @invariant()
     def same_state(self) -> None:
-        self.run(assert_same(self.queue, self.model))
+        """After every operation; then an idle worker takes the wake marker, so that every
+        operation's decision to put it back (or not) is seen."""
+        self.run(assert_same(self.queue, self.model, take_wake=True))
+        self.model.wake = False
 
     # ---- operations -------------------------------------------------------------------------------------
-    @initialize(batch=st.lists(specs, min_size=1, max_size=4))
+    @initialize(batch=st.lists(specs, min_size=1, max_size=5))
     def first_jobs(self, batch: list[JobSpec]) -> None:
         self.add(batch)
 
-    @rule(batch=st.lists(specs, min_size=1, max_size=3))
+    @rule(batch=st.lists(specs, min_size=1, max_size=4))
     def add(self, batch: list[JobSpec]) -> None:
         expected = self.model.add(self.clock.now, [model_spec(s) for s in batch])
         jobs = self.run(self.queue.add_bulk(batch))
@@ -324,20 +495,30 @@ class QueueMachine(RuleBasedStateMachine):
         if not all(created for _, created in expected):
             event("add: an idempotency key named an existing job")
 
-    @rule(data=st.data())
-    def advance(self, data: st.DataObject) -> None:
-        """Move the clock on by some ms, or to the next lease deadline or due time (the edges)."""
-        targets = [t for _, t in self.model.zset(ACTIVE)[:1] + self.model.zset(DELAYED)[:1]]
-        steps = st.sampled_from([1, 50, 99, 100, 150, 250, 400])
-        if targets:
-            steps |= st.sampled_from([max(t - self.clock.now, 0) for t in targets])
-        self.clock.now += data.draw(steps, label="ms")
+    @rule(data=st.data(), how=st.sampled_from(["ms", "ms", "edge", "edge", "calendar"]))
+    def advance(self, data: st.DataObject, how: str) -> None:
+        """Move the clock on by some ms, to (or just before or after) the next time something
+        changes by itself (the edges), or to just before, at or after the next UTC day or
+        month, or an hour on."""
+        now = self.clock.now
+        edges = self.edges()
+        if how == "ms" or (how == "edge" and not edges):
+            self.clock.now += data.draw(st.sampled_from([1, 50, 99, 100, 150, 250, 400]), label="ms")
+        elif how == "edge":
+            edge = data.draw(st.sampled_from(edges), label="to the edge at ms")
+            self.clock.now += max(edge + data.draw(st.sampled_from([0, 0, -1, 1]), label="off by"), 0)
+        else:
+            day, month = calendar_window("day", now)[1], calendar_window("month", now)[1]
+            targets = [day - 1, day, day + 1, month - 1, month, now + 3_600_000]
+            self.clock.now = data.draw(st.sampled_from(targets), label="jump to")
 
     def do_step(self, want: int, lease_ms: int, worker: str, drawn: list[Drawn]) -> None:
         now = self.clock.now
         outcomes = [
-            (job_id, token, kind, value, now + off, -1) for (job_id, token), (kind, value), off in drawn
+            (job_id, token, kind, value, now + off, usage)
+            for (job_id, token), (kind, value), off, usage in drawn
         ]
+        before = len(self.model.events)
         codes, next_due, leased = self.model.step(now, want, lease_ms, worker, outcomes)
         reply = self.run(
             self.queue.step(now=now, want=want, lease_ms=lease_ms, worker_id=worker, outcomes=outcomes)
@@ -346,9 +527,11 @@ class QueueMachine(RuleBasedStateMachine):
         assert reply.jobs == flat(leased)
         assert reply.next_due == next_due
         self.leases += [(j.id.decode(), str(j.token).encode()) for j in leased]
-        for (_, _, kind, _, _, _), code in zip(outcomes, codes, strict=True):
-            event(f"step: outcome {kind.decode()} -> {code}")
+        for (_, _, kind, _, _, usage), code in zip(outcomes, codes, strict=True):
+            event(f"step: outcome {kind.decode()} -> {code}{'' if usage < 0 else ' with usage'}")
         event(f"step: leased {len(leased)} of {want}")
+        for ev in {e[0] for e in self.model.events[before:]} & {"rejected", "parked", "throttled"}:
+            event(f"step: {ev}")
 
     @rule(
         data=st.data(),
@@ -360,10 +543,20 @@ class QueueMachine(RuleBasedStateMachine):
         """Report a few outcomes (current leases or stale ones, repeats allowed), lease more."""
         drawn: list[Drawn] = []
         if self.leases:
-            outcome = st.tuples(self.lease(), outcome_values, st.sampled_from(RETRY_OFFSETS))
+            outcome = st.tuples(
+                self.lease(), outcome_values, st.sampled_from(RETRY_OFFSETS), st.sampled_from(USAGES)
+            )
             size = 3 if self.has_active() else 1
             drawn = data.draw(st.lists(outcome, max_size=size), label="outcomes")
         self.do_step(want, lease_ms, worker, drawn)
+
+    @rule(
+        want=st.sampled_from([1, 2, 3]), lease_ms=st.sampled_from(LEASES_MS), worker=st.sampled_from(WORKERS)
+    )
+    def take(self, want: int, lease_ms: int, worker: str) -> None:
+        """An idle worker asks for jobs (so that dispatch happens often enough for the gates,
+        budgets and windows to fill up)."""
+        self.do_step(want, lease_ms, worker, [])
 
     @precondition(has_active)
     @rule(
@@ -376,18 +569,15 @@ class QueueMachine(RuleBasedStateMachine):
         """Report an outcome for every current lease, lease more."""
         current = [(i, str(j.token).encode()) for i, j in self.model.jobs.items() if j.state == ACTIVE]
         drawn = [
-            (lease, data.draw(outcome_values, label="outcome"), data.draw(st.sampled_from(RETRY_OFFSETS)))
+            (
+                lease,
+                data.draw(outcome_values, label="outcome"),
+                data.draw(st.sampled_from(RETRY_OFFSETS)),
+                data.draw(st.sampled_from(USAGES)),
+            )
             for lease in current
         ]
         self.do_step(want, lease_ms, worker, drawn)
-
-    @rule()
-    def worker_wakes(self) -> None:
-        """An idle worker takes the wake marker (BZPOPMIN, here ZPOPMIN), so that whether
-        the next operation puts it back is seen."""
-        popped = self.run(self.redis.zpopmin(self.queue.keys.wake))
-        assert bool(popped) == self.model.wake
-        self.model.wake = False
 
     @precondition(has_leases)
     @rule(data=st.data(), lease_ms=st.sampled_from(LEASES_MS))
@@ -406,9 +596,12 @@ class QueueMachine(RuleBasedStateMachine):
             deadlines = [d for _, d in self.model.zset(ACTIVE)]
             self.clock.now = max(self.clock.now, deadlines[0] if jump == "first" else deadlines[-1])
         now = self.clock.now
+        unknown = self.model.stats["unknown_outcome"]
         expected = self.model.reap(now, limit)
         assert self.run(self.queue.reap(now=now, limit=limit)) == expected
         event(f"reap: returned {min(expected[0], 2)}+, dead {min(expected[1], 2)}+")
+        if self.model.stats["unknown_outcome"] > unknown:
+            event("reap: a reservation kept as unknown")
 
     @precondition(has_jobs)
     @rule(data=st.data(), api=st.booleans())
@@ -421,7 +614,7 @@ class QueueMachine(RuleBasedStateMachine):
             k, q = self.queue.keys, self.queue
             reply = self.run(
                 q.scripts.cancel(
-                    keys=[k.job(job_id), k.waiting, k.delayed, k.events, k.stats],
+                    keys=[k.job(job_id), k.waiting, k.delayed, k.events, k.stats, k.parked_prefix],
                     args=[now, job_id, q.events_maxlen, q.keep_finished_ms],
                 )
             )
@@ -461,6 +654,191 @@ class QueueMachine(RuleBasedStateMachine):
         assert self.run(self.queue.purge_dead(None if everything else ids)) == removed
         event(f"purge {'all' if everything else 'ids'}: removed {min(removed, 2)}+")
 
+    # ---- flow controls ----------------------------------------------------------------------------------
+    @rule(
+        data=st.data(),
+        gate=st.sampled_from(["concurrency", "rate", "token rate", "pause or resume", "throttle"]),
+    )
+    def flow(self, data: st.DataObject, gate: str) -> None:
+        """Set or clear one of the queue's gates (through Queue's FlowControl methods)."""
+        m, q = self.model, self.queue
+        event(f"flow: {gate}")
+        if gate == "concurrency":
+            limit = data.draw(st.sampled_from([None, 1, 2, 3]), label="limit")
+            m.set_concurrency(limit)
+            self.run(q.set_global_concurrency(limit))
+        elif gate == "rate":
+            most = data.draw(st.sampled_from([None, 1, 2, 3]), label="max starts")
+            per_ms = data.draw(st.sampled_from([50, 120, 200]), label="per ms")
+            m.set_rate_limit(most, per_ms)
+            self.run(q.set_rate_limit(most, per_ms / 1000))
+        elif gate == "token rate":
+            tokens = data.draw(st.sampled_from([None, 8, 15, 40]), label="tokens")
+            per_ms = data.draw(st.sampled_from([1000, 2500]), label="per ms")
+            m.set_token_rate_limit(tokens, per_ms)
+            self.run(q.set_token_rate_limit(tokens, per_ms / 1000))
+        elif gate == "throttle":
+            ms = data.draw(st.sampled_from([0, 0, 50, 200]), label="ms")
+            m.throttle(self.clock.now, ms)
+            self.run(q.throttle(ms / 1000))
+        elif m.control.paused:
+            m.resume()
+            self.run(q.resume())
+        else:
+            m.pause()
+            self.run(q.pause())
+
+    @precondition(lambda self: self.model.control.paused)
+    @rule()
+    def resume(self) -> None:
+        """(Also in flow: this makes pauses short enough for the rest to happen.)"""
+        self.model.resume()
+        self.run(self.queue.resume())
+
+    # ---- the ledger -------------------------------------------------------------------------------------
+    def budget_name(self) -> st.SearchStrategy[str]:
+        """Mostly a budget that exists; sometimes one that does not."""
+        names = sorted(name for name in self.model.budgets if name != TOKEN_RATE)
+        missing = st.sampled_from([*BUDGETS, NO_BUDGET])
+        return st.one_of(st.sampled_from(names), st.sampled_from(names), missing) if names else missing
+
+    def create_budget(
+        self, name: str, limit: int, window: str | float | None, parent: str | None, exist_ok: bool
+    ) -> None:
+        now = self.clock.now
+        code = self.model.budget_create(now, name, limit, *window_args(window), parent)
+        event(f"budget: create -> {code}")
+        b = self.queue.budgets
+        create = b.create(name, limit, window=window, parent=parent, exist_ok=exist_ok, now=now)
+        if code == 1 or (code == 0 and exist_ok):
+            state = self.run(create)
+            assert dataclasses.asdict(state) == self.model.budget_read(now, name)
+        else:
+            with pytest.raises(BudgetError):
+                self.run(create)
+
+    @initialize(
+        levels=st.lists(
+            st.tuples(st.sampled_from(LIMITS), st.sampled_from(WINDOWS), st.booleans()),
+            min_size=1,
+            max_size=len(BUDGETS),
+        )
+    )
+    def first_budgets(self, levels: list[tuple[int, str | float | None, bool]]) -> None:
+        """Every example starts with budget A, most with B and C too, often nested (C under B under A)."""
+        for i, (limit, window, nested) in enumerate(levels):
+            self.create_budget(BUDGETS[i], limit, window, BUDGETS[i - 1] if i and nested else None, False)
+
+    @initialize(
+        tokens=st.sampled_from([None, None, 8, 15]),
+        starts=st.sampled_from([None, None, 1, 2]),
+        concurrency=st.sampled_from([None, None, None, 2]),
+    )
+    def first_gates(self, tokens: int | None, starts: int | None, concurrency: int | None) -> None:
+        """Half the examples start with a token-rate limit, half with a request-rate limit
+        (the window: 120 ms), a quarter with a global concurrency."""
+        m, q = self.model, self.queue
+        if tokens is not None:
+            m.set_token_rate_limit(tokens, 1000)
+            self.run(q.set_token_rate_limit(tokens, 1.0))
+        if starts is not None:
+            m.set_rate_limit(starts, 120)
+            self.run(q.set_rate_limit(starts, 0.12))
+        if concurrency is not None:
+            m.set_concurrency(concurrency)
+            self.run(q.set_global_concurrency(concurrency))
+
+    @rule(data=st.data(), op=st.sampled_from(["create", "top up", "set limit"]))
+    def budget(self, data: st.DataObject, op: str) -> None:
+        """Create a budget (maybe under a parent, maybe one that exists, or under one that
+        does not), top one up or set its limit (a raised limit gives back its parked jobs)."""
+        if op == "create":
+            name = data.draw(st.sampled_from(BUDGETS), label="name")
+            parent = data.draw(st.sampled_from([None, *(b for b in BUDGETS if b != name), NO_BUDGET]))
+            limit = data.draw(st.sampled_from(LIMITS), label="limit")
+            window = data.draw(st.sampled_from(WINDOWS), label="window")
+            self.create_budget(name, limit, window, parent, data.draw(st.booleans(), label="exist_ok"))
+            return
+        name = data.draw(self.budget_name(), label="name")
+        tokens = data.draw(st.sampled_from([1, 5, 12] if op == "top up" else [*LIMITS, 30]))
+        now = self.clock.now
+        before = len(self.model.events)
+        new_limit = self.model.budget_change(now, name, "topup" if op == "top up" else "limit", tokens)
+        b = self.queue.budgets
+        change = b.top_up(name, tokens, now=now) if op == "top up" else b.set_limit(name, tokens, now=now)
+        if new_limit is None:
+            with pytest.raises(BudgetError):
+                self.run(change)
+        else:
+            assert self.run(change) == new_limit
+        event(f"budget: {op}{' (parked jobs back)' if len(self.model.events) > before else ''}")
+
+    @rule(
+        data=st.data(),
+        op=st.sampled_from(["reserve", "commit", "refund", "settle an attempt's", "read"]),
+    )
+    def ledger(self, data: st.DataObject, op: str) -> None:
+        """Reserve, commit or refund directly (Budgets keeps callers' reservations apart from
+        the dispatch script's, under u:<id>); settle a job's reservation with the settle
+        script; read flow() and budgets (reading brings their windows up to date)."""
+        attempts = sorted(r for r in self.model.resv if r[0].isdigit())
+        if op == "settle an attempt's" and attempts:
+            self.settle_attempt(data, attempts)
+        elif op in ("commit", "refund"):
+            self.settle(data, op)
+        elif op == "reserve":
+            self.reserve(data)
+        else:
+            self.read(data)
+
+    def reserve(self, data: st.DataObject) -> None:
+        now = self.clock.now
+        rid = data.draw(st.sampled_from(RIDS), label="reservation")
+        name = data.draw(self.budget_name(), label="budget")
+        tokens = data.draw(st.sampled_from([0, 2, 5, 15]), label="tokens")
+        job_id = data.draw(st.sampled_from(["", "7"]), label="job id")
+        code, remaining, other = self.model.reserve(now, name, tokens, stored(rid), job_id)
+        event(f"ledger: reserve -> {code}")
+        reserve = self.queue.budgets.reserve(name, tokens, rid, job_id=job_id, now=now)
+        if code == -1:
+            with pytest.raises(BudgetError):
+                self.run(reserve)
+        else:
+            expected = Reservation(rid, code in (1, 2), remaining, other or None, code in (2, 3))
+            assert self.run(reserve) == expected
+
+    def settle(self, data: st.DataObject, how: str) -> None:
+        now = self.clock.now
+        rid = data.draw(st.sampled_from(RIDS), label="reservation")
+        used = data.draw(st.sampled_from([0, 3, 9, 25]), label="used") if how == "commit" else 0
+        state, changed, charged, over = self.model.settle_script(now, stored(rid), how, used)
+        event(f"ledger: {how} -> {state}{' (changed)' if changed else ''}")
+        b = self.queue.budgets
+        got = self.run(b.commit(rid, used, now=now) if how == "commit" else b.refund(rid, now=now))
+        assert got == Settlement(rid, state, changed, charged, over)
+
+    def settle_attempt(self, data: st.DataObject, attempts: list[str]) -> None:
+        """The settle script on a job's reservation (as a handler's own bookkeeping might):
+        the job's outcome then finds it settled."""
+        rid = data.draw(st.sampled_from(attempts), label="rid")
+        how = data.draw(st.sampled_from(["commit", "refund", "unknown"]), label="how")
+        used = data.draw(st.sampled_from([-1, 0, 3, 9, 25]), label="used") if how == "commit" else -1
+        now = self.clock.now
+        state, changed, charged, over = self.model.settle_script(now, rid, how, used)
+        event(f"ledger: settle an attempt's: {how} -> {state}{' (changed)' if changed else ''}")
+        k = self.queue.keys
+        reply = self.run(self.queue.scripts.settle(keys=[*k.flow, k.wake], args=[now, rid, how, used]))
+        assert [_s(reply[0]), *reply[1:]] == [state, int(changed), charged, over]
+
+    def read(self, data: st.DataObject) -> None:
+        """Queue.flow() and budgets as they stand (reading brings their windows up to date)."""
+        now = self.clock.now
+        assert dataclasses.asdict(self.run(self.queue.flow(now=now))) == self.model.flow(now)
+        names = data.draw(st.lists(self.budget_name(), max_size=3), label="budgets")
+        states = self.run(self.queue.budgets.get_many(names, now=now))
+        got = [None if s is None else dataclasses.asdict(s) for s in states]
+        assert got == [self.model.budget_read(now, name) for name in names]
+
 
 @pytest.fixture
 def machine_loop(redis_url: str, clock: Clock) -> Iterator[None]:
@@ -476,15 +854,16 @@ def machine_loop(redis_url: str, clock: Clock) -> Iterator[None]:
         loop.close()
 
 
-# Passing takes seconds; a failure is shrunk for up to 5 minutes (hypothesis's limit) before
-# it is reported, which the default pytest timeout would cut short.
+# Passing takes about 20 s per Redis server (120 examples of up to 40 operations, each
+# followed by the full comparison); a failure is shrunk for up to 5 minutes (hypothesis's
+# limit) before it is reported, which the default pytest timeout would cut short.
 @pytest.mark.timeout(600)
 def test_scripts_match_model(machine_loop: None) -> None:
     run_state_machine_as_test(
         QueueMachine,
         settings=settings(
-            max_examples=150,
-            stateful_step_count=30,
+            max_examples=120,
+            stateful_step_count=40,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],
         ),
@@ -561,6 +940,155 @@ async def test_model_reference_sequence(q: Queue, clock: Clock) -> None:
     await step(now + 330, 0, [(a, b"4", b"c", fits, 0, -1), (c, b"2", b"c", too_big, 0, -1)])
     assert m.events[-2:] == [("completed", a, "result", fits.decode()), ("completed", c)]
     assert (await q.counts())["completed"] == 2
+
+
+async def test_gates_and_ledger_reference_sequence(q: Queue, clock: Clock) -> None:
+    """A fixed sequence through the edges the machine seldom lines up, checked against the
+    model step by step (wake marker included): tokens given back by a settle outside dispatch;
+    a repeated id of a refunded reservation; a commit of exactly the estimate (nothing given
+    back); a rolling window that frees exactly the shortfall, and a charge leaving it at the
+    very millisecond; parkedby keeping the earliest retry time ('LT'); an unchanged limit
+    leaving parked jobs alone; refunds handing parked jobs back in the same call; a throttle
+    that a shorter one does not shorten, closed until its last millisecond; the token-rate
+    window blocking the line and taking overuse in full; the request-rate window; a
+    reservation settled after its calendar window turned."""
+    m = Model(
+        keep_ms=q.keep_finished_ms, ev_result_max=q.event_result_max_bytes, idem_prefix=q.keys.idem_prefix
+    )
+    b = q.budgets
+
+    async def check() -> None:
+        await assert_same(q, m, take_wake=True)
+        m.wake = False
+
+    async def add(spec: JobSpec) -> str:
+        (expected,) = m.add(clock.now, [model_spec(spec)])
+        job = await q.add_bulk([spec])
+        assert (job[0].id, job[0].created) == expected
+        await check()
+        return job[0].id
+
+    async def step(want: int, outcomes: list[tuple[str, bytes, bytes, bytes, int, int]]) -> int:
+        now = clock.now
+        codes, next_due, leased = m.step(now, want, 5000, "w", outcomes)
+        reply = await q.step(now=now, want=want, lease_ms=5000, worker_id="w", outcomes=outcomes)
+        assert (reply.codes, reply.next_due, reply.jobs) == (codes, next_due, flat(leased))
+        await check()
+        return next_due
+
+    async def create(name: str, limit: int, window: str | float | None) -> None:
+        assert m.budget_create(clock.now, name, limit, *window_args(window), None) == 1
+        state = await b.create(name, limit, window=window, now=clock.now)
+        assert dataclasses.asdict(state) == m.budget_read(clock.now, name)
+        await check()
+
+    async def reserve(name: str, tokens: int, rid: str) -> tuple[int, int, str]:
+        code, remaining, other = m.reserve(clock.now, name, tokens, stored(rid), "")
+        expected = Reservation(rid, code in (1, 2), remaining, other or None, code in (2, 3))
+        assert await b.reserve(name, tokens, rid, now=clock.now) == expected
+        await check()
+        return code, remaining, other
+
+    async def settle(rid: str, used: int | None) -> bool:
+        """Refund (``used`` None) or commit; whether a worker is woken."""
+        how, now = ("refund", 0) if used is None else ("commit", used), clock.now
+        expected = Settlement(rid, *m.settle_script(clock.now, stored(rid), *how))
+        got = await (b.refund(rid, now=now) if used is None else b.commit(rid, used, now=now))
+        assert got == expected
+        woke = m.wake
+        await check()
+        return woke
+
+    t0 = clock.now
+    # D (4 tokens, no window) is spent by a reservation of the caller's own: j0 parks for good,
+    # until the caller refunds it (which wakes a worker); the next step takes j0. The refunded
+    # id, reserved again, is a duplicate that is not accepted.
+    await create("D", 4, None)
+    assert await reserve("D", 4, "r1") == (1, 0, "")
+    j0 = await add(JobSpec("a", tokens=2, budget="D", on_exhausted="wait"))
+    await step(1, [])
+    assert m.jobs[j0].state == PARKED and m.parkedby == {"D": math.inf}
+    assert await settle("r1", None)  # D got tokens back: j0 is due, and a worker is woken
+    assert m.parkedby == {"D": t0}
+    await step(1, [])
+    assert m.jobs[j0].state == ACTIVE
+    assert await reserve("D", 4, "r1") == (3, 2, "")
+    # j9 parks on D; j0's commit of exactly its estimate gives nothing back: j9 stays parked.
+    j9 = await add(JobSpec("a", tokens=3, budget="D", on_exhausted="wait"))
+    await step(1, [])
+    await step(0, [(j0, b"1", b"c", b"1", 0, 2)])
+    assert m.jobs[j9].state == PARKED
+    # A: 6 tokens in a rolling second.
+    await create("A", 6, 1)
+    j1 = await add(JobSpec("a", tokens=3, budget="A"))
+    await step(1, [])
+    clock.now = t0 + 100
+    j2 = await add(JobSpec("a", tokens=3, budget="A"))
+    await step(1, [])
+    # A is full (3 at t0, 3 at t0 + 100). j3 needs 3: exactly the first charge, which leaves at
+    # t0 + 1000; j4 needs more than the limit: never by time, but A keeps the earlier retry.
+    clock.now = t0 + 200
+    j3 = await add(JobSpec("a", tokens=3, budget="A", on_exhausted="wait"))
+    j4 = await add(JobSpec("a", tokens=9, budget="A", on_exhausted="wait"))
+    assert await step(2, []) == t0 + 1000
+    assert m.parkedby["A"] == t0 + 1000
+    # j1 completes having used nothing: A gets its 3 tokens back, and its parked jobs are tried
+    # again in the same call: j3 fits now, j4 parks again (for good).
+    clock.now = t0 + 300
+    await step(2, [(j1, b"1", b"c", b"1", 0, 0)])
+    assert (m.jobs[j3].state, m.jobs[j4].state, m.parkedby["A"]) == (ACTIVE, PARKED, math.inf)
+    # The same limit again is not a raised one: j4 stays parked.
+    assert m.budget_change(t0 + 300, "A", "limit", 6) == await b.set_limit("A", 6, now=t0 + 300) == 6
+    await check()
+    # Two throttled attempts are refunded (so j4 is back in line), and the queue waits until the
+    # later end: the second, shorter throttle does not shorten it.
+    clock.now = t0 + 310
+    assert await step(0, [(j2, b"1", b"t", b"150", 0, -1), (j3, b"1", b"t", b"40", 0, -1)]) == t0 + 460
+    assert m.jobs[j4].state == WAITING and m.resv[f"{j2}:1"].state == "refunded"
+    clock.now = t0 + 459
+    assert await step(1, []) == t0 + 460  # still throttled
+    # The token-rate window (7 tokens a second): j2 and j3 (3 each) fit, j4's estimate never
+    # can (rejected), then j5 (5) must wait for the window to free: it blocks the line.
+    clock.now = t0 + 460
+    m.set_token_rate_limit(7, 1000)
+    await q.set_token_rate_limit(7, 1.0)
+    j5 = await add(JobSpec("a", tokens=5))
+    assert await step(3, []) == t0 + 1460
+    assert [m.jobs[i].state for i in (j2, j3, j4, j5)] == [ACTIVE, ACTIVE, REJECTED, WAITING]
+    # j2 used 6, above its reservation of 3: A (full) takes none of it, the rest is 'over';
+    # the token-rate window takes all of it.
+    clock.now = t0 + 470
+    await step(1, [(j2, b"2", b"c", b"1", 0, 6)])
+    assert m.resv[f"{j2}:2"].over == 3 and m.budgets[TOKEN_RATE].used == 9
+    # The request-rate window: one start per 120 ms.
+    m.set_rate_limit(1, 120)
+    await q.set_rate_limit(1, 0.12)
+    j6 = await add(JobSpec("a"))
+    j7 = await add(JobSpec("a"))
+    # At t0 + 1000 exactly, the charge made at t0 leaves A's window.
+    clock.now = t0 + 1000
+    assert dataclasses.asdict(await b.get("A", now=clock.now)) == m.budget_read(clock.now, "A")
+    assert f"{j1}:1" not in m.budgets["A"].log
+    await check()
+    clock.now = t0 + 1470  # the token-rate window has freed
+    assert await step(3, []) == t0 + 1590
+    clock.now = t0 + 1590
+    assert await step(3, []) == t0 + 1710
+    assert [m.jobs[i].state for i in (j5, j6, j7)] == [ACTIVE, ACTIVE, WAITING]
+    # A negative retry-after throttles until now: the queue stays open.
+    await step(0, [(j6, b"1", b"t", b"-20", 0, -1)])
+    assert m.control.throttled_until == t0 + 1590 and m.events[-1][-1] == "0"
+    # E (10 a UTC day): r2 is reserved today and committed, above its estimate, tomorrow: the
+    # new day's window is not charged for it. (The day turns at midnight, not a ms before.)
+    await create("E", 10, "day")
+    await reserve("E", 2, "r2")
+    clock.now = calendar_window("day", t0)[1] - 1
+    assert dataclasses.asdict(await b.get("E", now=clock.now)) == m.budget_read(clock.now, "E")
+    await check()
+    clock.now += 1
+    await reserve("E", 1, "r3")
+    assert not await settle("r2", 5)
+    assert m.budgets["E"].used == 1
 
 
 async def test_fencing_refuses_stale_token_after_reap(q: Queue, clock: Clock) -> None:
