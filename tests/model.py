@@ -973,14 +973,9 @@ class Model:
                 freed = True
         r.amt += delta
         if how == "unknown":
-            # REPORTED LUA BUG (unknown counter): docs/architecture.md says an unknown outcome is
-            # "counted in unknown_outcome and on each budget", and the budget counters are
-            # cumulative (accepted/rejected count whatever the window), so every level in
-            # `present` should count it. ledger.lua's settle() counts it only on the levels that
-            # still count the reservation (a calendar window that turned, or a rolling window the
-            # reservation left, is skipped). The model follows the Lua on this one counter so that
-            # everything else on this path stays checked; use `present` once the Lua is fixed.
-            for b in levels:
+            # Counted on every budget the reservation named, even one whose window
+            # moved on: the budget counters are cumulative.
+            for _, b in present:
                 b.count("unknown")
         r.state = {"commit": "committed", "refund": "refunded", "unknown": "unknown"}[how]
         r.settled = now

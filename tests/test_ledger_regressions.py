@@ -246,3 +246,16 @@ async def test_token_counts_past_the_largest_are_refused(queue: Queue) -> None:
         ctx.record_usage(MAX_TOKENS + 1)
     with pytest.raises(ValueError, match="an outcome is"):
         await queue.step(now=T, want=0, lease_ms=100, worker_id="w", outcomes=[("1", b"1", b"c", b"1", 0)])  # type: ignore[list-item]
+
+
+# ---- 10. an unknown outcome is counted on its budget even after the window moved on ---------------------
+async def test_an_unknown_outcome_is_counted_on_a_budget_whose_window_has_turned(queue: Queue) -> None:
+    # Given a job holding a reservation on a one-second rolling budget
+    await queue.budgets.create("a", 10, window=1, now=T)
+    await queue.add("llm", tokens=3, budget="a")
+    assert len((await queue.step(now=T, want=1, lease_ms=100, worker_id="w")).jobs) == 9
+    # When its lease is reaped after the charge has left the window
+    assert await queue.reap(now=T + 1000) == (1, 0)
+    # Then the budget counts the unknown outcome all the same
+    assert (await queue.counts())["unknown_outcome"] == 1
+    assert (await queue.budgets.get("a", now=T + 1001)).unknown_outcomes == 1

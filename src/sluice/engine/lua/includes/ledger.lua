@@ -216,6 +216,9 @@ local function settle(K, rid, how, actual, now)
   local levels = {}
   for i = 1, #names do
     local b = load_budget(K, names[i], now)
+    -- An unknown outcome is counted on every budget it was charged to, even
+    -- one whose window has moved on (the counters are cumulative).
+    if b and how == 'unknown' then redis.call('HINCRBY', b.key, 'unknown', 1) end
     if b and still_counted(K, b, rid, amt, tonumber(periods[i]) or 0) then levels[#levels + 1] = b end
   end
   local full = target - amt
@@ -243,7 +246,6 @@ local function settle(K, rid, how, actual, now)
     if b.name == '#tpm' then d = full end
     b.used = math.max(b.used + d, 0)
     redis.call('HSET', b.key, 'used', b.used)
-    if how == 'unknown' then redis.call('HINCRBY', b.key, 'unknown', 1) end
     if b.win == 'roll' and d ~= 0 then
       local lk = K.logp .. b.name
       local at = redis.call('ZSCORE', lk, amt .. ' ' .. rid)
