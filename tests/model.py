@@ -452,7 +452,12 @@ class Model:
         job.expires = self.keep_ms > 0
 
     # ---- add ---------------------------------------------------------------------------
-    def add(self, now: int, specs: list[AddSpec]) -> list[tuple[str, bool]]:
+    def add(self, now: int, specs: list[AddSpec]) -> list[tuple[str, bool]] | str:
+        """(id, created) per job; or, when a job names a budget that does not exist, that
+        budget's name (the first such job's), and nothing is added."""
+        for spec in specs:
+            if spec.budget is not None and spec.budget not in self.budgets:
+                return spec.budget
         out: list[tuple[str, bool]] = []
         added = 0
         for spec in specs:

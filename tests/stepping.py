@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sluice import Queue
-from sluice.engine.queue import StepReply
+from sluice.engine.protocol import StepReply
 
 LEASE_MS = 10_000
 
@@ -26,4 +26,4 @@ def completed(job_id: str, token: bytes, usage: int = -1) -> tuple[str, bytes, b
 
 
 async def step(queue: Queue, now: int, want: int = 10, outcomes: Sequence[Any] = ()) -> StepReply:
-    return await queue.step(now=now, want=want, lease_ms=LEASE_MS, worker_id="w", outcomes=outcomes)
+    return await queue.protocol.step(now=now, want=want, lease_ms=LEASE_MS, worker_id="w", outcomes=outcomes)

@@ -24,6 +24,8 @@ from redis.asyncio import Redis
 
 from sluice import (
     BudgetError,
+    BudgetExists,
+    BudgetNotFound,
     JobCancelled,
     JobContext,
     JobRejected,
@@ -33,6 +35,7 @@ from sluice import (
     Worker,
 )
 from sluice.engine.connection import connect
+from sluice.engine.queue import BULK_CHUNK
 from tests.budget_race_proc import go_key, ready_key, shared_size
 from tests.conftest import eventually, running
 from tests.proc_harness import REPO
@@ -267,12 +270,44 @@ async def test_twenty_jobs_of_75_tokens_on_a_500_budget_run_six_and_reject_fourt
     assert len(await events_of(redis, queue, "rejected")) == 14
 
 
-async def test_a_job_whose_budget_does_not_exist_is_rejected(queue: Queue) -> None:
+async def test_a_job_naming_a_missing_budget_is_refused_at_add_and_nothing_is_written(queue: Queue) -> None:
+    # Given a queue with one budget
+    await queue.budgets.create("real", 100)
+    # When a batch holds one job whose budget does not exist, beside good ones
+    specs = [
+        JobSpec("llm", tokens=1, budget="real"),
+        JobSpec("llm"),
+        JobSpec("llm", tokens=1, budget="ghost"),
+    ]
+    with pytest.raises(BudgetNotFound, match="names budget 'ghost', which does not exist") as refused:
+        await queue.add_bulk(specs)
+    # Then the error names it, and not one job of the batch was added
+    assert refused.value.name == "ghost"
+    counts = await queue.counts()
+    assert (counts["added"], counts["waiting"]) == (0, 0)
+    assert await queue.redis.get(queue.keys.seq) is None
+    # And a call of several script chunks is all-or-nothing too (the ghost is in the last chunk)
+    many = [JobSpec("llm") for _ in range(BULK_CHUNK)] + [JobSpec("llm", budget="ghost")]
+    with pytest.raises(BudgetNotFound):
+        await queue.add_bulk(many)
+    assert (await queue.counts())["added"] == 0
+    # And once the budget exists, the same batch goes in
+    await queue.budgets.create("ghost", 100)
+    assert len(await queue.add_bulk(specs)) == 3
+
+
+async def test_a_stored_job_whose_budget_is_gone_is_rejected_at_dispatch(queue: Queue) -> None:
+    # Given a job added with its budget, whose budget record then vanished (deleted by
+    # hand, or the job was written by an older Sluice that did not check at add)
+    await queue.budgets.create("ghost", 100)
     job = await queue.add("llm", tokens=10, budget="ghost")
+    await queue.redis.delete(queue.keys.budget_prefix + "ghost")
+    # When a worker asks for it, it is not leased but rejected, with the advice to create it
     reply = await step(queue, T)
     assert leased(reply) == []
-    with pytest.raises(JobRejected, match="no budget named ghost; create it"):
+    with pytest.raises(JobRejected, match="no budget named ghost; create it") as rejected:
         await job.result(timeout=1)
+    assert "Create the budget" in str(rejected.value) and "Top up" not in str(rejected.value)
 
 
 # ---- budgets above budgets -----------------------------------------------------------------------------
@@ -673,12 +708,12 @@ async def test_an_expired_lease_keeps_its_charge_as_an_unknown_outcome(queue: Qu
     # Given a job of 100 tokens on a budget, leased for 1 s
     await queue.budgets.create("b", 1000)
     job = await queue.add("llm", tokens=100, budget="b")
-    reply = await queue.step(now=T, want=1, lease_ms=1000, worker_id="lost")
+    reply = await queue.protocol.step(now=T, want=1, lease_ms=1000, worker_id="lost")
     ((job_id, token),) = leased(reply)
     assert (await queue.budgets.get("b")).used == 100
 
     # When its worker is lost and the lease expires
-    assert await queue.reap(now=T + 1000) == (1, 0)
+    assert await queue.protocol.reap(now=T + 1000) == (1, 0)
 
     # Then the charge stays (the provider may have been called), marked unknown
     rid = f"{job_id}:1"
@@ -761,21 +796,18 @@ async def test_unusable_windows_are_refused(queue: Queue, window: Any) -> None:
 
 async def test_budget_operations_that_cannot_be_done_say_why(queue: Queue) -> None:
     b = queue.budgets
-    with pytest.raises(BudgetError, match="parent budget 'team' does not exist; create it first"):
+    with pytest.raises(BudgetNotFound, match="parent budget 'team' does not exist; create it first"):
         await b.create("tenant", 10, parent="team")
     with pytest.raises(BudgetError, match="cannot be its own parent"):
         await b.create("b", 10, parent="b")
     created = await b.create("b", 10)
-    with pytest.raises(
-        BudgetError, match="exists already; change it with set_limit/top_up, or pass exist_ok"
-    ):
+    with pytest.raises(BudgetExists, match=r"exists already; change it with .*set_limit\(\) or top_up\(\)"):
         await b.create("b", 20)
     assert await b.create("b", 20, exist_ok=True) == created  # left as it was
     for call in (b.get("nope"), b.reserve("nope", 1, "r"), b.set_limit("nope", 5), b.top_up("nope", 5)):
-        with pytest.raises(
-            BudgetError, match=r"no budget named 'nope'; create it with queue\.budgets\.create"
-        ):
+        with pytest.raises(BudgetNotFound, match=r"no budget named 'nope'; create it first") as missing:
             await call
+        assert missing.value.name == "nope"
     with pytest.raises(BudgetError, match="tokens must be an integer from 0"):
         await b.reserve("b", -1, "r")
     with pytest.raises(BudgetError, match="used_tokens must be an integer from 0"):

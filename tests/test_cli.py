@@ -84,9 +84,9 @@ async def test_dlq_list_redrive_purge(redis_url: str, redis: Redis, prefix: str)
     q = Queue(name, redis=redis)
     jobs = [await q.add("x") for _ in range(2)]
     # Dead-letter both by leasing them and failing them permanently
-    reply = await q.step(now=1, want=2, lease_ms=1000, worker_id="w")
+    reply = await q.protocol.step(now=1, want=2, lease_ms=1000, worker_id="w")
     tokens = {reply.jobs[i].decode(): reply.jobs[i + 1] for i in range(0, len(reply.jobs), 9)}
-    await q.step(
+    await q.protocol.step(
         now=2,
         want=0,
         lease_ms=1000,

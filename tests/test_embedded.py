@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import redis as sync_redis
 
-from sluice.embedded import EmbeddedRedis, find_binary
 from sluice.errors import ConfigurationError
+from sluice.testing.embedded import EmbeddedRedis, find_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,10 +35,9 @@ def test_long_paths_fall_back_to_a_loopback_port(tmp_path: Path) -> None:
         assert sync_redis.Redis.from_url(server.url, socket_timeout=5).ping()
 
 
-def test_binary_from_environment_must_exist(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("SLUICE_REDIS_SERVER", str(tmp_path / "missing"))
-    with pytest.raises(ConfigurationError, match="not an executable"):
-        find_binary()
+def test_an_explicit_binary_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match=r"SLUICE_REDIS_SERVER=.* is not an executable"):
+        find_binary(str(tmp_path / "missing"))
 
 
 def test_server_that_cannot_start_says_why(tmp_path: Path) -> None:

@@ -123,16 +123,16 @@ async def test_global_concurrency_in_steps(queue: Queue) -> None:
     # Given a ceiling of 2 jobs at once over all workers
     await queue.set_global_concurrency(2)
     j1, j2, j3, j4 = await queue.add_bulk(JobSpec("x") for _ in range(4))
-    reply = await queue.step(now=T, want=4, lease_ms=LEASE_MS, worker_id="w1")
+    reply = await queue.protocol.step(now=T, want=4, lease_ms=LEASE_MS, worker_id="w1")
     assert ids(reply) == [j1.id, j2.id]
     assert reply.next_due == -1  # only a completion can open it: no time to come back at
 
     # Then another worker gets nothing
-    assert ids(await queue.step(now=T + 1, want=4, lease_ms=LEASE_MS, worker_id="w2")) == []
+    assert ids(await queue.protocol.step(now=T + 1, want=4, lease_ms=LEASE_MS, worker_id="w2")) == []
 
     # and the call that reports a completion takes the next job itself
     done = [completed(j1.id, b"1")]
-    reply = await queue.step(now=T + 2, want=3, lease_ms=LEASE_MS, worker_id="w1", outcomes=done)
+    reply = await queue.protocol.step(now=T + 2, want=3, lease_ms=LEASE_MS, worker_id="w1", outcomes=done)
     assert (reply.codes, ids(reply)) == ([1], [j3.id])
     assert (await queue.flow()).active == 2
 

@@ -9,7 +9,8 @@ import pytest
 from redis.asyncio import Redis
 from rich.console import Console
 
-from sluice.bench.goodput import (
+from sluice.cli.goodput_cmd import goodput_table
+from sluice.lab.goodput import (
     LIMITED,
     NO_LIMITER,
     GoodputSpec,
@@ -20,7 +21,6 @@ from sluice.bench.goodput import (
     theoretical_min_s,
     workload,
 )
-from sluice.cli.goodput_cmd import goodput_table
 
 
 def test_workload_is_deterministic_and_varied() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench.lab import max_concurrent, min_window_span
+from sluice.lab.lab import max_concurrent, min_window_span
 
 REFERENCE_FIELDS = {
     "workload": {"loadJobs", "workerProcesses", "globalConcurrency", "rateLimitMax", "rateLimitDurationMs"},

@@ -19,8 +19,8 @@ import pytest
 from rich.console import Console
 from rich.table import Table
 
-from sluice.bench.lab_report import lab_table, throttle_table, write_report
-from sluice.bench.stats import percentile
+from sluice.lab.lab_report import lab_table, throttle_table, write_report
+from sluice.lab.stats import percentile
 
 T0 = 1_767_225_600_000.0  # unix ms
 HOSTILE = '<script>alert("$\\bogus$")</script>'
@@ -268,7 +268,7 @@ def test_charts_leave_no_pyplot_behind(tmp_path: Path) -> None:
     script = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from sluice.bench.lab_report import write_report\n"
+        "from sluice.lab.lab_report import write_report\n"
         "from tests.test_lab_report import lab_results\n"
         f"write_report(lab_results()[:1], Path({str(tmp_path)!r}))\n"
         "assert 'matplotlib.figure' in sys.modules\n"

@@ -63,7 +63,7 @@ async def test_reservation_ids_of_callers_and_of_the_dispatch_script_do_not_coll
     await queue.budgets.create("team", 1000)
     await queue.budgets.create("tools", 100)
     await queue.add("llm", tokens=10, budget="team")
-    reply = await queue.step(now=T, want=1, lease_ms=10_000, worker_id="w")
+    reply = await queue.protocol.step(now=T, want=1, lease_ms=10_000, worker_id="w")
     rid = f"{reply.jobs[0].decode()}:{reply.jobs[1]}"
     r = await queue.budgets.reserve("tools", 100, rid)
     assert (r.accepted, r.duplicate) == (True, False)
@@ -104,10 +104,10 @@ async def test_the_token_rate_window_of_a_queue_idle_for_nine_days_is_whole_agai
     # Given a token-rate limit of 1000 a minute, and a job that used 900 of it
     await queue.set_token_rate_limit(1000, per=60)
     job = await queue.add("llm", tokens=900)
-    reply = await queue.step(now=T, want=1, lease_ms=10_000, worker_id="w")
+    reply = await queue.protocol.step(now=T, want=1, lease_ms=10_000, worker_id="w")
     token = str(reply.jobs[1]).encode()
     done: Any = [(job.id, token, b"c", b'"ok"', 0, 900)]
-    await queue.step(now=T + 1, want=0, lease_ms=10_000, worker_id="w", outcomes=done)
+    await queue.protocol.step(now=T + 1, want=0, lease_ms=10_000, worker_id="w", outcomes=done)
 
     # When the queue is idle for 9 days (the settled reservation expires after 8)
     await expire_now(redis, queue.keys.reservation_prefix + f"{job.id}:1")
@@ -116,7 +116,7 @@ async def test_the_token_rate_window_of_a_queue_idle_for_nine_days_is_whole_agai
     later = T + 9 * DAY_MS
     assert (await queue.flow(now=later)).tokens_in_window == 0
     nxt = await queue.add("llm", tokens=500)
-    reply = await queue.step(now=later, want=1, lease_ms=10_000, worker_id="w")
+    reply = await queue.protocol.step(now=later, want=1, lease_ms=10_000, worker_id="w")
     assert reply.jobs[:1] == [nxt.id.encode()]
 
 
@@ -134,7 +134,7 @@ async def test_a_rolling_budget_counts_none_of_its_expired_charges(queue: Queue)
     # Then the whole limit is free: a job of 1501 tokens with on_exhausted="reject" runs
     # (it was rejected while one call let only 1000 of the expired charges leave)
     job = await queue.add("llm", tokens=1501, budget="roll")
-    reply = await queue.step(now=later, want=1, lease_ms=10_000, worker_id="w")
+    reply = await queue.protocol.step(now=later, want=1, lease_ms=10_000, worker_id="w")
     assert reply.jobs[:1] == [job.id.encode()], await job.info()
 
 
@@ -162,11 +162,13 @@ async def test_usage_beyond_the_estimate_is_charged_to_the_budget_under_a_full_t
     await queue.budgets.create("tenant", 1000)
     a = await queue.add("llm", tokens=100, budget="tenant")
     await queue.add("llm", tokens=800)
-    reply = await queue.step(now=T, want=2, lease_ms=10_000, worker_id="w")
+    reply = await queue.protocol.step(now=T, want=2, lease_ms=10_000, worker_id="w")
     assert len(reply.jobs) == 18
     # When the first job reports 1000 tokens used (900 beyond its estimate)
     done: Any = [(a.id, str(reply.jobs[1]).encode(), b"c", b"1", 0, 1000)]
-    assert (await queue.step(now=T + 1, want=0, lease_ms=10_000, worker_id="w", outcomes=done)).codes == [1]
+    assert (
+        await queue.protocol.step(now=T + 1, want=0, lease_ms=10_000, worker_id="w", outcomes=done)
+    ).codes == [1]
     # Then the tenant is charged all of it (it had room), and the window counts it too
     tenant = await queue.budgets.get("tenant", now=T + 2)
     assert (tenant.used, tenant.remaining) == (1000, 0)
@@ -187,7 +189,7 @@ async def test_a_full_step_wakes_an_idle_worker_to_keep_a_parked_jobs_timer(
     await queue.add("llm")
     await redis.delete(queue.keys.wake)
     # When a worker with two free slots takes the first and the third (parking the second)
-    reply = await queue.step(now=T, want=2, lease_ms=10_000, worker_id="w")
+    reply = await queue.protocol.step(now=T, want=2, lease_ms=10_000, worker_id="w")
     assert len(reply.jobs) == 18 and reply.next_due == T + 2000
     assert (await queue.counts())["parked"] == 1
     # Then an idle worker is woken to learn when the parked job may run: the
@@ -205,7 +207,7 @@ async def test_a_parked_record_without_its_score_does_not_lose_the_jobs_beside_i
     plain = await queue.add("llm", priority=1)
     await redis.hdel(queue.keys.job(damaged.id), "score")
     # When a worker asks for both
-    reply = await queue.step(now=T, want=2, lease_ms=10_000, worker_id="w")
+    reply = await queue.protocol.step(now=T, want=2, lease_ms=10_000, worker_id="w")
     # Then the plain job runs and the damaged one is parked in its place in line
     assert reply.jobs[:1] == [plain.id.encode()]
     assert await damaged.state() is JobState.PARKED
@@ -245,7 +247,8 @@ async def test_token_counts_past_the_largest_are_refused(queue: Queue) -> None:
     with pytest.raises(ValueError, match="from 0 to"):
         ctx.record_usage(MAX_TOKENS + 1)
     with pytest.raises(ValueError, match="an outcome is"):
-        await queue.step(now=T, want=0, lease_ms=100, worker_id="w", outcomes=[("1", b"1", b"c", b"1", 0)])  # type: ignore[list-item]
+        short: Any = [("1", b"1", b"c", b"1", 0)]
+        await queue.protocol.step(now=T, want=0, lease_ms=100, worker_id="w", outcomes=short)
 
 
 # ---- 10. an unknown outcome is counted on its budget even after the window moved on ---------------------
@@ -253,9 +256,9 @@ async def test_an_unknown_outcome_is_counted_on_a_budget_whose_window_has_turned
     # Given a job holding a reservation on a one-second rolling budget
     await queue.budgets.create("a", 10, window=1, now=T)
     await queue.add("llm", tokens=3, budget="a")
-    assert len((await queue.step(now=T, want=1, lease_ms=100, worker_id="w")).jobs) == 9
+    assert len((await queue.protocol.step(now=T, want=1, lease_ms=100, worker_id="w")).jobs) == 9
     # When its lease is reaped after the charge has left the window
-    assert await queue.reap(now=T + 1000) == (1, 0)
+    assert await queue.protocol.reap(now=T + 1000) == (1, 0)
     # Then the budget counts the unknown outcome all the same
     assert (await queue.counts())["unknown_outcome"] == 1
     assert (await queue.budgets.get("a", now=T + 1001)).unknown_outcomes == 1

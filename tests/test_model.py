@@ -57,6 +57,7 @@ import sluice.engine.flow as flow_module
 import sluice.engine.queue as queue_module
 from sluice import (
     BudgetError,
+    BudgetNotFound,
     JobNotFound,
     JobRecord,
     JobSpec,
@@ -490,6 +491,12 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(batch=st.lists(specs, min_size=1, max_size=4))
     def add(self, batch: list[JobSpec]) -> None:
         expected = self.model.add(self.clock.now, [model_spec(s) for s in batch])
+        if isinstance(expected, str):
+            with pytest.raises(BudgetNotFound) as refused:
+                self.run(self.queue.add_bulk(batch))
+            assert refused.value.name == expected
+            event("add: refused, a job names a budget that does not exist")
+            return
         jobs = self.run(self.queue.add_bulk(batch))
         assert [(j.id, j.created) for j in jobs] == expected
         if not all(created for _, created in expected):
@@ -521,7 +528,9 @@ class QueueMachine(RuleBasedStateMachine):
         before = len(self.model.events)
         codes, next_due, leased = self.model.step(now, want, lease_ms, worker, outcomes)
         reply = self.run(
-            self.queue.step(now=now, want=want, lease_ms=lease_ms, worker_id=worker, outcomes=outcomes)
+            self.queue.protocol.step(
+                now=now, want=want, lease_ms=lease_ms, worker_id=worker, outcomes=outcomes
+            )
         )
         assert reply.codes == codes
         assert reply.jobs == flat(leased)
@@ -585,7 +594,7 @@ class QueueMachine(RuleBasedStateMachine):
         leases = data.draw(st.lists(self.lease(), min_size=1, max_size=3), label="leases")
         now = self.clock.now
         expected = self.model.extend(now, lease_ms, leases)
-        assert self.run(self.queue.extend(now=now, lease_ms=lease_ms, leases=leases)) == expected
+        assert self.run(self.queue.protocol.extend(now=now, lease_ms=lease_ms, leases=leases)) == expected
         for code in expected:
             event(f"extend -> {code}")
 
@@ -598,7 +607,7 @@ class QueueMachine(RuleBasedStateMachine):
         now = self.clock.now
         unknown = self.model.stats["unknown_outcome"]
         expected = self.model.reap(now, limit)
-        assert self.run(self.queue.reap(now=now, limit=limit)) == expected
+        assert self.run(self.queue.protocol.reap(now=now, limit=limit)) == expected
         event(f"reap: returned {min(expected[0], 2)}+, dead {min(expected[1], 2)}+")
         if self.model.stats["unknown_outcome"] > unknown:
             event("reap: a reservation kept as unknown")
@@ -884,7 +893,11 @@ async def test_model_reference_sequence(q: Queue, clock: Clock) -> None:
     )
 
     async def add(spec: JobSpec) -> str:
-        (expected,) = m.add(clock.now, [model_spec(spec)])
+        answer = m.add(clock.now, [model_spec(spec)])
+        assert not isinstance(answer, str), (
+            f"the reference sequence adds to budget {answer}, which is missing"
+        )
+        (expected,) = answer
         job = await q.add_bulk([spec])
         assert (job[0].id, job[0].created) == expected
         await assert_same(q, m)
@@ -897,7 +910,7 @@ async def test_model_reference_sequence(q: Queue, clock: Clock) -> None:
 
     async def step(now: int, want: int, outcomes: list[tuple[str, bytes, bytes, bytes, int, int]]) -> None:
         codes, next_due, leased = m.step(now, want, 100, "w", outcomes)
-        reply = await q.step(now=now, want=want, lease_ms=100, worker_id="w", outcomes=outcomes)
+        reply = await q.protocol.step(now=now, want=want, lease_ms=100, worker_id="w", outcomes=outcomes)
         assert (reply.codes, reply.next_due, reply.jobs) == (codes, next_due, flat(leased))
         await assert_same(q, m)
 
@@ -913,10 +926,12 @@ async def test_model_reference_sequence(q: Queue, clock: Clock) -> None:
     assert await q.cancel(b) is True  # running: a cancel request
     m.cancel(clock.now, b)
     leases = [(b, b"1"), (c, b"1"), (a, b"1")]
-    assert await q.extend(now=now + 120, lease_ms=100, leases=leases) == m.extend(now + 120, 100, leases)
+    assert await q.protocol.extend(now=now + 120, lease_ms=100, leases=leases) == m.extend(
+        now + 120, 100, leases
+    )
     assert m.extend(now + 120, 100, leases) == [2, 1, 0]
     # Both leases expire: b (cancel requested) is cancelled, c dead (max_stalls 0).
-    assert await q.reap(now=now + 300) == m.reap(now + 300, 1000) == (0, 1)
+    assert await q.protocol.reap(now=now + 300) == m.reap(now + 300, 1000) == (0, 1)
     await assert_same(q, m)
     assert [state(i) for i in (b, c)] == [(CANCELLED, 1, 1, 0, 1), (DEAD, 1, 1, 0, 1)]
     await step(now + 300, 3, [(b, b"1", b"x", b"", 0, -1)])  # stale: refused; a due again: a, d
@@ -962,7 +977,11 @@ async def test_gates_and_ledger_reference_sequence(q: Queue, clock: Clock) -> No
         m.wake = False
 
     async def add(spec: JobSpec) -> str:
-        (expected,) = m.add(clock.now, [model_spec(spec)])
+        answer = m.add(clock.now, [model_spec(spec)])
+        assert not isinstance(answer, str), (
+            f"the reference sequence adds to budget {answer}, which is missing"
+        )
+        (expected,) = answer
         job = await q.add_bulk([spec])
         assert (job[0].id, job[0].created) == expected
         await check()
@@ -971,7 +990,7 @@ async def test_gates_and_ledger_reference_sequence(q: Queue, clock: Clock) -> No
     async def step(want: int, outcomes: list[tuple[str, bytes, bytes, bytes, int, int]]) -> int:
         now = clock.now
         codes, next_due, leased = m.step(now, want, 5000, "w", outcomes)
-        reply = await q.step(now=now, want=want, lease_ms=5000, worker_id="w", outcomes=outcomes)
+        reply = await q.protocol.step(now=now, want=want, lease_ms=5000, worker_id="w", outcomes=outcomes)
         assert (reply.codes, reply.next_due, reply.jobs) == (codes, next_due, flat(leased))
         await check()
         return next_due
@@ -1093,18 +1112,22 @@ async def test_gates_and_ledger_reference_sequence(q: Queue, clock: Clock) -> No
 
 async def test_fencing_refuses_stale_token_after_reap(q: Queue, clock: Clock) -> None:
     job = await q.add("a")
-    first = await q.step(now=T0, want=1, lease_ms=100, worker_id="w1")
+    first = await q.protocol.step(now=T0, want=1, lease_ms=100, worker_id="w1")
     assert first.jobs[:2] == [job.id.encode(), 1]
-    assert await q.reap(now=T0 + 100) == (1, 0)  # a deadline equal to now has expired
-    second = await q.step(now=T0 + 100, want=1, lease_ms=100, worker_id="w2")
+    assert await q.protocol.reap(now=T0 + 100) == (1, 0)  # a deadline equal to now has expired
+    second = await q.protocol.step(now=T0 + 100, want=1, lease_ms=100, worker_id="w2")
     assert second.jobs[:2] == [job.id.encode(), 2]
     late = (job.id, b"1", b"c", b"1", 0, -1)
-    assert (await q.step(now=T0 + 101, want=0, lease_ms=100, worker_id="w1", outcomes=[late])).codes == [0]
-    assert await q.extend(now=T0 + 101, lease_ms=100, leases=[(job.id, b"1")]) == [0]
+    assert (
+        await q.protocol.step(now=T0 + 101, want=0, lease_ms=100, worker_id="w1", outcomes=[late])
+    ).codes == [0]
+    assert await q.protocol.extend(now=T0 + 101, lease_ms=100, leases=[(job.id, b"1")]) == [0]
     rec = await q.get_job(job.id)
     assert rec is not None and rec.state == JobState.ACTIVE and rec.worker == "w2"
     fresh = (job.id, b"2", b"c", b"1", 0, -1)
-    assert (await q.step(now=T0 + 102, want=0, lease_ms=100, worker_id="w2", outcomes=[fresh])).codes == [1]
+    assert (
+        await q.protocol.step(now=T0 + 102, want=0, lease_ms=100, worker_id="w2", outcomes=[fresh])
+    ).codes == [1]
     counts = await q.counts()
     assert (counts["stale_refused"], counts["completed"], counts["stalled"]) == (1, 1, 1)
 
@@ -1116,30 +1139,30 @@ async def test_retry_and_promotion_keep_place_in_line(q: Queue, clock: Clock) ->
     third = await q.add("a", priority=1)
     fourth = await q.add("a")
     # Not yet due: second, fourth (priority 0), then third.
-    r = await q.step(now=T0, want=1, lease_ms=100, worker_id="w")
+    r = await q.protocol.step(now=T0, want=1, lease_ms=100, worker_id="w")
     assert r.jobs[0] == second.id.encode() and r.next_due == T0 + 50
     fail = (second.id, b"1", b"f", b"e", T0 + 60, -1)
-    r = await q.step(now=T0 + 5, want=0, lease_ms=100, worker_id="w", outcomes=[fail])
+    r = await q.protocol.step(now=T0 + 5, want=0, lease_ms=100, worker_id="w", outcomes=[fail])
     assert r.codes == [2] and r.next_due == T0 + 50
     assert await q.ids(JobState.WAITING) == [fourth.id, third.id]
     assert await q.ids(JobState.DELAYED) == [first.id, second.id]
-    r = await q.step(now=T0 + 60, want=0, lease_ms=100, worker_id="w")
+    r = await q.protocol.step(now=T0 + 60, want=0, lease_ms=100, worker_id="w")
     assert r.next_due == -1
     assert await q.ids(JobState.WAITING) == [first.id, second.id, fourth.id, third.id]
 
 
 async def test_release_uncounts_the_attempt_but_a_stall_counts_it(q: Queue, clock: Clock) -> None:
     job = await q.add("a", max_attempts=2, max_stalls=5)
-    await q.step(now=T0, want=1, lease_ms=100, worker_id="w")
+    await q.protocol.step(now=T0, want=1, lease_ms=100, worker_id="w")
     release = (job.id, b"1", b"r", b"", 0, -1)
-    r = await q.step(now=T0, want=1, lease_ms=100, worker_id="w", outcomes=[release])
+    r = await q.protocol.step(now=T0, want=1, lease_ms=100, worker_id="w", outcomes=[release])
     assert r.codes == [4] and r.jobs[4] == 1  # leased again as attempt 1
-    assert await q.reap(now=T0 + 100) == (1, 0)
-    r = await q.step(now=T0 + 100, want=1, lease_ms=100, worker_id="w")
+    assert await q.protocol.reap(now=T0 + 100) == (1, 0)
+    r = await q.protocol.step(now=T0 + 100, want=1, lease_ms=100, worker_id="w")
     assert r.jobs[4] == 2  # the stalled lease was attempt 1
     # One failure, max_attempts 2: dead, since the stalled lease was a try.
     fail = (job.id, b"3", b"f", b"e", T0 + 1000, -1)
-    r = await q.step(now=T0 + 100, want=0, lease_ms=100, worker_id="w", outcomes=[fail])
+    r = await q.protocol.step(now=T0 + 100, want=0, lease_ms=100, worker_id="w", outcomes=[fail])
     assert r.codes == [3]
     rec = await q.get_job(job.id)
     assert rec is not None and (rec.attempt, rec.failures, rec.stalls) == (2, 1, 1)
@@ -1147,9 +1170,9 @@ async def test_release_uncounts_the_attempt_but_a_stall_counts_it(q: Queue, cloc
 
 async def test_reap_takes_earliest_deadlines_first(q: Queue, clock: Clock) -> None:
     jobs = [await q.add("a") for _ in range(3)]
-    await q.step(now=T0, want=1, lease_ms=300, worker_id="w")
-    await q.step(now=T0, want=2, lease_ms=100, worker_id="w")
-    assert await q.reap(now=T0 + 1000, limit=2) == (2, 0)
+    await q.protocol.step(now=T0, want=1, lease_ms=300, worker_id="w")
+    await q.protocol.step(now=T0, want=2, lease_ms=100, worker_id="w")
+    assert await q.protocol.reap(now=T0 + 1000, limit=2) == (2, 0)
     # jobs 2 and 3 (deadline T0+100) went first; job 1 (T0+300) is still active
     assert await q.ids(JobState.ACTIVE) == [jobs[0].id]
     assert await q.ids(JobState.WAITING) == [jobs[1].id, jobs[2].id]
@@ -1157,11 +1180,11 @@ async def test_reap_takes_earliest_deadlines_first(q: Queue, clock: Clock) -> No
 
 async def test_cancel_request_reaches_the_next_lease_renewal(q: Queue, clock: Clock) -> None:
     job = await q.add("a")
-    await q.step(now=T0, want=1, lease_ms=100, worker_id="w")
+    await q.protocol.step(now=T0, want=1, lease_ms=100, worker_id="w")
     assert await q.cancel(job.id) is True
-    assert await q.extend(now=T0 + 10, lease_ms=100, leases=[(job.id, b"1")]) == [2]
+    assert await q.protocol.extend(now=T0 + 10, lease_ms=100, leases=[(job.id, b"1")]) == [2]
     stop = (job.id, b"1", b"x", b"cancelled by request", 0, -1)
-    r = await q.step(now=T0 + 20, want=1, lease_ms=100, worker_id="w", outcomes=[stop])
+    r = await q.protocol.step(now=T0 + 20, want=1, lease_ms=100, worker_id="w", outcomes=[stop])
     assert r.codes == [5] and r.jobs == []
     assert await q.cancel(job.id) is False
     rec = await q.get_job(job.id)
@@ -1172,9 +1195,9 @@ async def test_cancel_request_reaches_the_next_lease_renewal(q: Queue, clock: Cl
 
 async def test_redrive_resets_counts_but_keeps_the_token(q: Queue, clock: Clock) -> None:
     job = await q.add("a", max_attempts=1)
-    await q.step(now=T0, want=1, lease_ms=100, worker_id="w")
+    await q.protocol.step(now=T0, want=1, lease_ms=100, worker_id="w")
     fail = (job.id, b"1", b"f", b"e", T0 + 50, -1)
-    assert (await q.step(now=T0, want=0, lease_ms=100, worker_id="w", outcomes=[fail])).codes == [3]
+    assert (await q.protocol.step(now=T0, want=0, lease_ms=100, worker_id="w", outcomes=[fail])).codes == [3]
     dead = await q.get_job(job.id)
     assert dead is not None and (dead.attempt, dead.failures, dead.finished_ms) == (1, 1, T0)
     assert await q.redrive([job.id]) == 1
@@ -1183,17 +1206,21 @@ async def test_redrive_resets_counts_but_keeps_the_token(q: Queue, clock: Clock)
     assert (rec.attempt, rec.failures, rec.stalls, rec.finished_ms) == (0, 0, 0, None)
     with pytest.raises(JobStateError):
         await q.redrive([job.id])
-    r = await q.step(now=T0 + 1, want=1, lease_ms=100, worker_id="w")
+    r = await q.protocol.step(now=T0 + 1, want=1, lease_ms=100, worker_id="w")
     assert r.jobs[1] == 2 and r.jobs[4] == 1  # token 2 (fences the first lease), attempt 1
     # The first lease's late answer is refused even though the job is active again.
-    assert (await q.step(now=T0 + 2, want=0, lease_ms=100, worker_id="w", outcomes=[fail])).codes == [0]
+    assert (
+        await q.protocol.step(now=T0 + 2, want=0, lease_ms=100, worker_id="w", outcomes=[fail])
+    ).codes == [0]
 
 
 async def test_idempotency_key_within_one_bulk_and_after_purge(q: Queue, clock: Clock) -> None:
     a, b = await q.add_bulk([JobSpec("a", 1, idempotency_key="k1"), JobSpec("a", 2, idempotency_key="k1")])
     assert (a.id, a.created, b.id, b.created) == ("1", True, "1", False)
-    await q.step(now=T0, want=1, lease_ms=100, worker_id="w")
-    await q.step(now=T0, want=0, lease_ms=100, worker_id="w", outcomes=[(a.id, b"1", b"p", b"e", 0, -1)])
+    await q.protocol.step(now=T0, want=1, lease_ms=100, worker_id="w")
+    await q.protocol.step(
+        now=T0, want=0, lease_ms=100, worker_id="w", outcomes=[(a.id, b"1", b"p", b"e", 0, -1)]
+    )
     assert await q.purge_dead() == 1
     assert await q.get_job(a.id) is None
     # The key outlives the purged job: the add is still answered with the old id.
@@ -1212,17 +1239,17 @@ async def test_a_requested_cancel_is_not_lost_when_the_attempt_ends_first(
     cancelled: it must not go back in line and run again (found by this file before
     6ac8867, when such a job was leased again and could complete)."""
     job = await q.add("a", max_attempts=3)
-    await q.step(now=T0, want=1, lease_ms=100, worker_id="w1")
+    await q.protocol.step(now=T0, want=1, lease_ms=100, worker_id="w1")
     assert await q.cancel(job.id) is True  # running: its worker is asked to stop it
     if ends_by == "stall":  # the worker died before its next renewal
-        assert await q.reap(now=T0 + 100) == (0, 0)
+        assert await q.protocol.reap(now=T0 + 100) == (0, 0)
     else:  # the handler failed (or was released) before its next renewal
         kind = {"retry": b"f", "release": b"r", "dead": b"p"}[ends_by]
         ended = (job.id, b"1", kind, b"e", 0, -1)
-        reply = await q.step(now=T0 + 10, want=0, lease_ms=100, worker_id="w1", outcomes=[ended])
+        reply = await q.protocol.step(now=T0 + 10, want=0, lease_ms=100, worker_id="w1", outcomes=[ended])
         assert reply.codes == [5]
     # The job must not be handed out again: it was cancelled.
-    again = await q.step(now=T0 + 200, want=1, lease_ms=100, worker_id="w2")
+    again = await q.protocol.step(now=T0 + 200, want=1, lease_ms=100, worker_id="w2")
     assert again.jobs == []
     rec = await q.get_job(job.id)
     assert rec is not None and rec.state == JobState.CANCELLED
@@ -1238,8 +1265,10 @@ async def test_a_requested_cancel_is_not_lost_when_the_attempt_ends_first(
 
 async def test_a_completion_wins_over_a_requested_cancel(q: Queue, clock: Clock) -> None:
     job = await q.add("a")
-    await q.step(now=T0, want=1, lease_ms=100, worker_id="w1")
+    await q.protocol.step(now=T0, want=1, lease_ms=100, worker_id="w1")
     assert await q.cancel(job.id) is True
     done = (job.id, b"1", b"c", b"1", 0, -1)
-    assert (await q.step(now=T0 + 1, want=0, lease_ms=100, worker_id="w1", outcomes=[done])).codes == [1]
+    assert (
+        await q.protocol.step(now=T0 + 1, want=0, lease_ms=100, worker_id="w1", outcomes=[done])
+    ).codes == [1]
     assert await job.result(timeout=5) == 1

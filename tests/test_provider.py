@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sluice.bench.provider import (
+from sluice.testing.provider import (
     COMPLETIONS_PATH,
     STATS_PATH,
     ProviderLimits,

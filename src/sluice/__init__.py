@@ -5,6 +5,8 @@ The public API is what this module exports in ``__all__``::
     from sluice import Queue, Worker, JobContext
 """
 
+import importlib.metadata
+
 from sluice.engine import (
     MAX_PRIORITY,
     Backoff,
@@ -20,9 +22,13 @@ from sluice.engine import (
     Reservation,
     Settlement,
     Worker,
+    WorkerInfo,
 )
 from sluice.errors import (
+    AttemptTimeout,
     BudgetError,
+    BudgetExists,
+    BudgetNotFound,
     ConfigurationError,
     CorruptJobError,
     InvalidJobError,
@@ -31,21 +37,31 @@ from sluice.errors import (
     JobNotFound,
     JobRejected,
     JobStateError,
+    MissingExtra,
+    OutcomeUnknown,
     PayloadNotSerializable,
     PayloadTooLarge,
     PermanentError,
+    RedisCommandError,
+    RedisUnavailable,
     ResultTimeout,
     SluiceError,
     Throttled,
     UnknownJobName,
 )
 
-__version__ = "0.1.0"
+try:
+    __version__ = importlib.metadata.version("sluice")
+except importlib.metadata.PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0+unknown"
 
 __all__ = [
     "MAX_PRIORITY",
+    "AttemptTimeout",
     "Backoff",
     "BudgetError",
+    "BudgetExists",
+    "BudgetNotFound",
     "BudgetState",
     "ConfigurationError",
     "CorruptJobError",
@@ -62,10 +78,14 @@ __all__ = [
     "JobSpec",
     "JobState",
     "JobStateError",
+    "MissingExtra",
+    "OutcomeUnknown",
     "PayloadNotSerializable",
     "PayloadTooLarge",
     "PermanentError",
     "Queue",
+    "RedisCommandError",
+    "RedisUnavailable",
     "Reservation",
     "ResultTimeout",
     "Settlement",
@@ -73,5 +93,6 @@ __all__ = [
     "Throttled",
     "UnknownJobName",
     "Worker",
+    "WorkerInfo",
     "__version__",
 ]

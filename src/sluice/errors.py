@@ -6,6 +6,16 @@ error's message says what went wrong *and* what to do about it::
     SluiceError
     ├── ConfigurationError        settings or environment are unusable (bad URL,
     │                             no redis-server binary, unknown handler module)
+    ├── MissingExtra              an optional part is not installed; the message
+    │                             names the extra (also an ImportError)
+    ├── RedisUnavailable          Redis cannot be reached, is loading its data, or
+    │   │                         the connection broke (also a ConnectionError);
+    │   │                         ``.url`` names the server, without credentials
+    │   └── OutcomeUnknown        the connection broke after a write was sent: it
+    │                             may or may not have been applied. Retrying an
+    │                             add is safe with an idempotency key
+    ├── RedisCommandError         Redis refused a command (out of memory, a
+    │                             read-only replica, missing ACL permission)
     ├── InvalidJobError           bad input to Queue.add / add_bulk; nothing was
     │   │                         written (also a ValueError)
     │   ├── PayloadNotSerializable  payload is not JSON (also a TypeError)
@@ -22,10 +32,15 @@ error's message says what went wrong *and* what to do about it::
     ├── JobCancelled              Job.result(): the job was cancelled
     ├── JobRejected               Job.result(): its budget could not admit it
     │                             (on_exhausted="reject"); ``.reason`` says why
-    ├── BudgetError               a budget operation cannot be done (no such
-    │                             budget, it exists, bad parent or window)
-    └── ResultTimeout             Job.result(): no outcome within the timeout
-                                  (also a TimeoutError); the job goes on
+    ├── BudgetError               a budget operation cannot be done (bad name,
+    │   │                         parent or window)
+    │   ├── BudgetNotFound        no budget of that name (also raised by add for
+    │   │                         a job naming one; nothing is written)
+    │   └── BudgetExists          create() of a name that exists
+    ├── ResultTimeout             Job.result(): no outcome within the timeout
+    │                             (also a TimeoutError); the job goes on
+    └── AttemptTimeout            recorded as a job's error (never raised to the
+                                  caller) when an attempt ran past its timeout
 
 Raised *by handlers* to steer the worker (not errors of Sluice itself)::
 
@@ -39,7 +54,10 @@ Raised *by handlers* to steer the worker (not errors of Sluice itself)::
 from __future__ import annotations
 
 __all__ = [
+    "AttemptTimeout",
     "BudgetError",
+    "BudgetExists",
+    "BudgetNotFound",
     "ConfigurationError",
     "CorruptJobError",
     "InvalidJobError",
@@ -48,9 +66,13 @@ __all__ = [
     "JobNotFound",
     "JobRejected",
     "JobStateError",
+    "MissingExtra",
+    "OutcomeUnknown",
     "PayloadNotSerializable",
     "PayloadTooLarge",
     "PermanentError",
+    "RedisCommandError",
+    "RedisUnavailable",
     "ResultTimeout",
     "SluiceError",
     "Throttled",
@@ -64,6 +86,65 @@ class SluiceError(Exception):
 
 class ConfigurationError(SluiceError):
     """Settings or the environment cannot work; the message names the fix."""
+
+
+class MissingExtra(SluiceError, ImportError):
+    """An optional part of Sluice needs packages that are not installed."""
+
+    def __init__(self, extra: str, feature: str, missing: str, alternative: str = "") -> None:
+        super().__init__(
+            f"{feature} needs the {extra!r} extra ({missing} is not installed): "
+            f"pip install 'sluice[{extra}]'" + (f"; {alternative}" if alternative else "")
+        )
+        self.extra = extra
+        self.feature = feature
+
+
+class RedisUnavailable(SluiceError, ConnectionError):
+    """Redis cannot be reached, is still loading its data, or the connection broke.
+
+    Nothing was applied when this is raised by a read, or by a write whose
+    connection failed before the command was sent. ``url`` names the server
+    without credentials; ``reason`` is what the transport said.
+    """
+
+    def __init__(self, url: str, reason: str, advice: str = "") -> None:
+        advice = advice or (
+            "check that it runs and that the URL is right (--redis or SLUICE_REDIS_URL; "
+            "`sluice redis` starts a local one)"
+        )
+        super().__init__(f"Redis at {url} is unavailable: {reason}. {advice}")
+        self.url = url
+        self.reason = reason
+
+
+class OutcomeUnknown(RedisUnavailable):
+    """The connection broke after a write was sent: Redis may or may not have applied it.
+
+    Retrying is safe for an add with an ``idempotency_key`` (the second add
+    returns the first job), for cancel, redrive and purge (they only act on
+    jobs in the right state), and for reads; otherwise look before retrying
+    (``queue.get_job``, ``queue.budgets.get``).
+    """
+
+    def __init__(self, url: str, reason: str, operation: str) -> None:
+        super().__init__(
+            url,
+            reason,
+            f"{operation} was sent and may have been applied. Retry adds only with an "
+            "idempotency_key (the retry then returns the first job); check other changes "
+            "before repeating them",
+        )
+        self.operation = operation
+
+
+class RedisCommandError(SluiceError):
+    """Redis answered a command with an error: out of memory, a read-only replica, no ACL permission."""
+
+    def __init__(self, url: str, reply: str, advice: str) -> None:
+        super().__init__(f"Redis at {url} refused the command: {reply}. {advice}")
+        self.url = url
+        self.reply = reply
 
 
 class InvalidJobError(SluiceError, ValueError):
@@ -142,16 +223,39 @@ class JobRejected(SluiceError):
     """The job's budget could not admit its token estimate and its policy was to reject."""
 
     def __init__(self, job_id: str, reason: str) -> None:
-        super().__init__(
-            f"job {job_id!r} was rejected: {reason}. Top up the budget "
-            "(`Queue.budgets.top_up`) and add it again, or add jobs with on_exhausted='wait'."
-        )
+        if reason.startswith("no budget named"):
+            advice = "Create the budget (queue.budgets.create) and add the job again."
+        else:
+            advice = (
+                "Top up the budget (queue.budgets.top_up) or wait for its window to turn, "
+                "then add the job again; or add jobs with on_exhausted='wait'."
+            )
+        super().__init__(f"job {job_id!r} was rejected: {reason}. {advice}")
         self.job_id = job_id
         self.reason = reason
 
 
 class BudgetError(SluiceError):
     """A budget operation cannot be done; the message says what to change."""
+
+
+class BudgetNotFound(BudgetError):
+    """No budget of that name in this queue's ledger."""
+
+    def __init__(self, name: str, message: str = "") -> None:
+        super().__init__(message or f"no budget named {name!r}; create it first (queue.budgets.create)")
+        self.name = name
+
+
+class BudgetExists(BudgetError):
+    """``create`` named a budget that exists already."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"budget {name!r} exists already; change it with queue.budgets.set_limit() or "
+            "top_up(), or pass exist_ok=True to accept the existing one"
+        )
+        self.name = name
 
 
 class ResultTimeout(SluiceError, TimeoutError):
@@ -164,6 +268,17 @@ class ResultTimeout(SluiceError, TimeoutError):
         )
         self.job_id = job_id
         self.state = state
+
+
+class AttemptTimeout(SluiceError, TimeoutError):
+    """An attempt ran past its timeout and was cancelled; recorded as the job's error."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(
+            f"the attempt ran past its timeout of {timeout:g}s and was cancelled; "
+            "raise the job's timeout, or make the handler faster"
+        )
+        self.timeout = timeout
 
 
 class PermanentError(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from sluice.cli import bench_cmd, budget_cmd, demo, goodput_cmd, jobs_cmd, lab_cmd, logs, worker_cmd
+from sluice.settings import Settings
 
 app = typer.Typer(
     name="sluice",
@@ -30,5 +31,5 @@ _ = lab_cmd, goodput_cmd
 
 
 def main() -> None:
-    logs.configure()
+    logs.configure(Settings.from_env())
     app()

@@ -62,9 +62,9 @@ def throughput(
 ) -> None:
     """Enqueue N no-op jobs in bulk, then drain them with 1 and 2 worker processes."""
     # Imported here: every `sluice` command (a worker's start-up too) loads this module.
-    from sluice.bench.common import bench_redis, machine_meta
-    from sluice.bench.report import throughput_table
-    from sluice.bench.throughput import DrainSpec, drain_once, summarize
+    from sluice.lab.common import bench_redis, machine_meta
+    from sluice.lab.report import throughput_table
+    from sluice.lab.throughput import DrainSpec, drain_once, summarize
 
     specs = [
         DrainSpec(jobs, p, c, timeout, count)
@@ -112,9 +112,9 @@ def latency(
     json_path: JsonOpt = None,
 ) -> None:
     """One idle worker process: add one job and await its result, sample after sample."""
-    from sluice.bench.common import bench_redis, machine_meta
-    from sluice.bench.latency import LatencySpec, latency_run
-    from sluice.bench.report import latency_table
+    from sluice.lab.common import bench_redis, machine_meta
+    from sluice.lab.latency import LatencySpec, latency_run
+    from sluice.lab.report import latency_table
 
     spec = LatencySpec(samples, warmup, concurrency, idle_gap, deadline=max(300.0, samples * (idle_gap + 1)))
 
@@ -145,7 +145,7 @@ def print_warnings(result: dict[str, Any]) -> None:
 
 
 def save_json(path: Path | None, data: dict[str, Any]) -> None:
-    from sluice.bench.common import write_json
+    from sluice.lab.common import write_json
 
     if path is not None:
         write_json(path, data)

@@ -22,11 +22,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sluice.bench.procs import worker_argv
 from sluice.cli.runtime import run
 from sluice.cli.server import ENV_URL, redis_url
 from sluice.engine import JobContext, JobRecord, JobSpec, Queue, Worker
 from sluice.engine.connection import connect
+from sluice.testing.processes import worker_argv
 
 console = Console()
 

@@ -74,8 +74,8 @@ def goodput(
 ) -> None:
     """Run LLM calls against a simulated rate-limited provider: a limited queue vs retry-on-429."""
     # Imported here: every `sluice` command (a worker's start-up too) loads this module.
-    from sluice.bench.common import bench_redis, machine_meta
-    from sluice.bench.goodput import VARIANTS, GoodputSpec, compare, run_variant, spec_meta
+    from sluice.lab.common import bench_redis, machine_meta
+    from sluice.lab.goodput import VARIANTS, GoodputSpec, compare, run_variant, spec_meta
 
     chosen = variant or list(VARIANTS)
     unknown = [v for v in chosen if v not in VARIANTS]
@@ -142,7 +142,7 @@ def goodput_table(data: dict[str, Any]) -> Table:
     """One column per variant, and their ratio; the JSON has the provider's and the engine's counters."""
     from rich.table import Table
 
-    from sluice.bench.goodput import LIMITED, NO_LIMITER, compare, rows
+    from sluice.lab.goodput import LIMITED, NO_LIMITER, compare, rows
 
     meta = data["spec"]
     variants: dict[str, dict[str, Any]] = data["variants"]

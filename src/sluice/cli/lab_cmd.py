@@ -51,10 +51,10 @@ def lab(
     one provider 429 (retry after 500 ms). Race phase: 4 jobs of 100 tokens at
     once against 200 tokens. Prints the figures and the checks per mode.
     """
-    from sluice.bench.common import bench_redis, machine_meta
-    from sluice.bench.lab import MODES, Workload, run_mode
-    from sluice.bench.lab_report import lab_table, throttle_table, write_report
     from sluice.cli.bench_cmd import progress_bar
+    from sluice.lab.common import bench_redis, machine_meta
+    from sluice.lab.lab import MODES, Workload, run_mode
+    from sluice.lab.lab_report import lab_table, throttle_table, write_report
 
     modes = list(MODES) if mode is LabMode.compare else [mode.value]
     workload = Workload()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from sluice.embedded import EmbeddedRedis
+from sluice.settings import Settings
+from sluice.testing.embedded import EmbeddedRedis, find_binary
 
 ENV_URL = "SLUICE_REDIS_URL"
 ENV_HOME = "SLUICE_HOME"
@@ -44,7 +45,7 @@ def redis_url(explicit: str | None, console: Console | None = None) -> Iterator[
         yield url
         return
     data = home() / "redis"
-    server = EmbeddedRedis(data)
+    server = EmbeddedRedis(data, binary=find_binary(Settings.from_env().redis_server))
     if server.socket_path is not None and _alive(server.socket_path):
         yield server.url
         return

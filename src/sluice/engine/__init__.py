@@ -1,5 +1,10 @@
-"""The Redis engine: queues, workers, leases, retries, events. No HTTP, SQL or LLMs here."""
+"""The Redis engine: queues, workers, leases, retries, events, flow control, the token ledger.
 
+No HTTP, SQL or LLMs here, and no third-party package but redis-py (with
+hiredis) and orjson: scripts/check holds it to that with import-linter.
+"""
+
+from sluice.engine.admin import WorkerInfo
 from sluice.engine.backoff import Backoff
 from sluice.engine.budgets import Budgets, BudgetState, Reservation, Settlement
 from sluice.engine.context import JobContext
@@ -25,4 +30,5 @@ __all__ = [
     "Reservation",
     "Settlement",
     "Worker",
+    "WorkerInfo",
 ]

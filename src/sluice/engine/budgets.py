@@ -19,9 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from sluice.engine.clock import now_ms
 from sluice.engine.job import MAX_TOKENS
-from sluice.errors import BudgetError
+from sluice.engine.transport import reads, writes
+from sluice.errors import BudgetError, BudgetExists, BudgetNotFound
 
 if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
     from sluice.engine.queue import Queue
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
@@ -166,6 +169,11 @@ class Budgets:
         self._queue = queue
         self._keys = queue.keys
 
+    @property
+    def redis(self) -> Redis:
+        return self._queue.redis
+
+    @writes
     async def create(
         self,
         name: str,
@@ -193,35 +201,44 @@ class Budgets:
                 raise BudgetError(f"budget {name!r} cannot be its own parent")
         code, _ = await self._put(name, "create", limit, win, win_ms, parent or "", now)
         if code == 0 and not exist_ok:
-            raise BudgetError(
-                f"budget {name!r} exists already; change it with set_limit/top_up, or pass exist_ok=True"
-            )
+            raise BudgetExists(name)
         if code == -2:
-            raise BudgetError(f"parent budget {parent!r} does not exist; create it first")
+            raise BudgetNotFound(str(parent), f"parent budget {parent!r} does not exist; create it first")
         if code == -3:
             raise BudgetError(f"budgets may be nested at most {MAX_DEPTH} deep")
-        return await self.get(name, now=now)
+        return await self._get(name, now)
 
+    @writes
     async def set_limit(self, name: str, limit: int, *, now: int | None = None) -> int:
         """Set a budget's limit; raising it lets parked jobs try again. Returns the limit."""
         check_budget_name(name)
         check_tokens("limit", limit)
         return await self._change(name, "limit", limit, now)
 
+    @writes
     async def top_up(self, name: str, tokens: int, *, now: int | None = None) -> int:
         """Add ``tokens`` to a budget's limit (parked jobs try again); returns the new limit."""
         check_budget_name(name)
         check_tokens("tokens", tokens, low=1)
         return await self._change(name, "topup", tokens, now)
 
+    @reads
     async def get(self, name: str, *, now: int | None = None) -> BudgetState:
-        """A budget as it stands now; raises BudgetError if there is none."""
-        (state,) = await self.get_many([name], now=now)
+        """A budget as it stands now; raises BudgetNotFound if there is none."""
+        return await self._get(name, now)
+
+    async def _get(self, name: str, now: int | None) -> BudgetState:
+        (state,) = await self._states([name], now)
         if state is None:
-            raise BudgetError(f"no budget named {name!r}; create it with queue.budgets.create()")
+            raise BudgetNotFound(name)
         return state
 
+    @reads
     async def get_many(self, names: list[str], *, now: int | None = None) -> list[BudgetState | None]:
+        """Many budgets as they stand now, in the order asked (None: no such budget)."""
+        return await self._states(names, now)
+
+    async def _states(self, names: list[str], now: int | None) -> list[BudgetState | None]:
         for name in names:
             if name != TOKEN_RATE_BUDGET:
                 check_budget_name(name)
@@ -230,6 +247,7 @@ class Budgets:
         )
         return [_state(name, raw[i * 11 : (i + 1) * 11]) for i, name in enumerate(names)]
 
+    @writes
     async def reserve(
         self, name: str, tokens: int, reservation_id: str, *, job_id: str = "", now: int | None = None
     ) -> Reservation:
@@ -247,7 +265,7 @@ class Budgets:
             args=[now if now is not None else now_ms(), name, tokens, _stored(reservation_id), job_id],
         )
         if code == -1:
-            raise BudgetError(f"no budget named {refusing.decode()!r}; create it with queue.budgets.create()")
+            raise BudgetNotFound(refusing.decode())
         return Reservation(
             id=reservation_id,
             accepted=code in (1, 2),
@@ -256,6 +274,7 @@ class Budgets:
             duplicate=code in (2, 3),
         )
 
+    @writes
     async def commit(self, reservation_id: str, used_tokens: int, *, now: int | None = None) -> Settlement:
         """Charge what was actually used and give the rest of the reservation back.
 
@@ -265,10 +284,12 @@ class Budgets:
         check_tokens("used_tokens", used_tokens)
         return await self._settle(reservation_id, "commit", used_tokens, now)
 
+    @writes
     async def refund(self, reservation_id: str, *, now: int | None = None) -> Settlement:
         """Give a whole reservation back (the provider was never called)."""
         return await self._settle(reservation_id, "refund", 0, now)
 
+    @reads
     async def reservation(self, reservation_id: str) -> dict[str, str] | None:
         """A reservation's stored fields (amt, est, b, state, ...), or None.
 
@@ -294,7 +315,7 @@ class Budgets:
     async def _change(self, name: str, op: str, tokens: int, now: int | None) -> int:
         code, limit = await self._put(name, op, tokens, "", 0, "", now)
         if code == -1:
-            raise BudgetError(f"no budget named {name!r}; create it with queue.budgets.create()")
+            raise BudgetNotFound(name)
         if code == -4:
             raise BudgetError(
                 f"topping up {name!r} by {tokens} would take its limit past {MAX_TOKENS}; "

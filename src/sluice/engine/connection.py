@@ -4,6 +4,12 @@ redis-py 8 changed the default socket timeout; a blocking read (BZPOPMIN,
 XREAD BLOCK) longer than the socket timeout then fails as a connection error.
 Sluice therefore always sets timeouts itself, and runs blocking reads on a
 client of their own whose socket timeout is longer than any block it issues.
+
+A pooled connection whose server restarted is replaced before a command is
+sent on it: redis-py checks for that, but redis-py 8 skips the check while
+its "maintenance notifications" (a Redis Cloud feature) are in their default
+"auto" mode, so the first command after every restart failed. Sluice turns
+them off; open-source Redis 6.2 and 7.x never send them.
 """
 
 from __future__ import annotations
@@ -13,6 +19,11 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from sluice.errors import ConfigurationError
+
+try:
+    from redis.maint_notifications import MaintNotificationsConfig
+except ImportError:  # redis-py before 7 has no maintenance notifications, and checks always
+    MaintNotificationsConfig = None  # type: ignore[assignment,misc]
 
 #: Socket timeout of ordinary commands (scripts are short; 10 s means Redis is gone).
 COMMAND_TIMEOUT = 10.0
@@ -26,7 +37,7 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
     """An asyncio client for ``url`` (redis://, rediss:// or unix://) with explicit timeouts."""
     if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigurationError(
-            f"Redis URL {url!r} is not usable; use redis://host:port/db, rediss://... or "
+            f"Redis URL {redact(url)!r} is not usable; use redis://host:port/db, rediss://... or "
             "unix:///path/to/redis.sock (or unset SLUICE_REDIS_URL to use an embedded Redis)"
         )
     options.setdefault("socket_timeout", COMMAND_TIMEOUT)
@@ -36,10 +47,12 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
     # a thousand result waiters on one client is a normal thing to do.
     options.setdefault("max_connections", 64)
     options.setdefault("timeout", COMMAND_TIMEOUT)
+    if MaintNotificationsConfig is not None:
+        options.setdefault("maint_notifications_config", MaintNotificationsConfig(enabled=False))
     try:
         pool = aioredis.BlockingConnectionPool.from_url(url, **options)
     except ValueError as exc:
-        raise ConfigurationError(f"Redis URL {url!r} is not usable: {exc}") from exc
+        raise ConfigurationError(f"Redis URL {redact(url)!r} is not usable: {exc}") from exc
     return aioredis.Redis.from_pool(pool)
 
 
@@ -51,3 +64,15 @@ def blocking_client(redis: aioredis.Redis) -> aioredis.Redis:
     kwargs.setdefault("socket_connect_timeout", CONNECT_TIMEOUT)
     new_pool = aioredis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
     return aioredis.Redis.from_pool(new_pool)
+
+
+def redact(url: object) -> str:
+    """A URL with its password (and user) replaced, for messages and logs."""
+    text = str(url)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        return text
+    creds, at, host = rest.rpartition("@")
+    if not at:
+        return text
+    return f"{scheme}://***@{host}" if creds else text

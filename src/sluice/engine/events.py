@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import structlog
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
     from redis.asyncio import Redis
 
-log = structlog.get_logger("sluice.events")
+log = logging.getLogger("sluice.events")
 
 #: Events after which a job never changes again.
 FINAL_EVENTS = frozenset({b"completed", b"dead", b"cancelled", b"rejected"})
@@ -98,7 +97,12 @@ class ResultWaiter:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a dropped connection must not strand waiters
-                log.warning("event reader failed; retrying", error=str(exc))
+                log.warning(
+                    "reading the events stream failed (%s: %s); retrying in 0.2s",
+                    type(exc).__name__,
+                    exc,
+                    extra={"error": f"{type(exc).__name__}: {exc}"},
+                )
                 await asyncio.sleep(0.2)
                 continue
             for _stream, entries in reply or ():

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from sluice.engine.budgets import TOKEN_RATE_BUDGET, Budgets, BudgetState
 from sluice.engine.clock import now_ms
 from sluice.engine.job import MAX_TOKENS
+from sluice.engine.transport import reads, writes
 from sluice.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class FlowControl:
     async def _wake(self) -> None:
         await self.redis.zadd(self.keys.wake, {"w": 0})
 
+    @writes
     async def set_global_concurrency(self, limit: int | None) -> None:
         """At most ``limit`` jobs of this queue run at once, over all workers (None: no limit).
 
@@ -80,6 +82,7 @@ class FlowControl:
             )
         await self._wake()
 
+    @writes
     async def set_rate_limit(self, max_starts: int | None, per: float = 1.0) -> None:
         """At most ``max_starts`` job starts in any ``per`` seconds, over all workers.
 
@@ -95,6 +98,7 @@ class FlowControl:
             )
         await self._wake()
 
+    @writes
     async def set_token_rate_limit(self, tokens: int | None, per: float = 60.0) -> None:
         """At most ``tokens`` estimated tokens dispatched in any ``per`` seconds.
 
@@ -123,15 +127,18 @@ class FlowControl:
             pipe.zadd(k.wake, {"w": 0})
             await pipe.execute()
 
+    @writes
     async def pause(self) -> None:
         """Dispatch nothing until :meth:`resume`; running jobs go on."""
         await self.redis.hset(self.keys.control, "paused", 1)
 
+    @writes
     async def resume(self) -> None:
         """Undo :meth:`pause`; idle workers wake at once."""
         await self.redis.hdel(self.keys.control, "paused")
         await self._wake()
 
+    @writes
     async def throttle(self, seconds: float) -> None:
         """Dispatch nothing for ``seconds`` from now; 0 lifts the throttle.
 
@@ -147,6 +154,7 @@ class FlowControl:
             until = now_ms() + round(seconds * 1000)
             await self.redis.hset(self.keys.control, "throttled_until", until)
 
+    @reads
     async def flow(self, *, now: int | None = None) -> FlowState:
         """The flow controls as set, and how full their windows are now."""
         k = self.keys

@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from sluice.errors import ConfigurationError
+from sluice.errors import ConfigurationError, InvalidJobError
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 _JOB_ID = re.compile(r"^[1-9][0-9]{0,18}$")
@@ -48,6 +48,12 @@ def check_name(what: str, value: str) -> str:
 
 def is_job_id(value: object) -> bool:
     return isinstance(value, str) and bool(_JOB_ID.match(value))
+
+
+def check_job_id(value: object) -> str:
+    if not isinstance(value, str) or not _JOB_ID.match(value):
+        raise InvalidJobError(f"{value!r} is not a job id (ids are decimal numbers, e.g. '42')")
+    return value
 
 
 @dataclass(frozen=True, slots=True)

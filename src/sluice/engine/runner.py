@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
-import structlog
 from redis.exceptions import NoScriptError, RedisError
 
 from sluice.engine.backoff import Backoff
@@ -31,18 +31,28 @@ from sluice.engine.clock import now_ms
 from sluice.engine.codec import decode, encode
 from sluice.engine.connection import MAX_BLOCK, blocking_client
 from sluice.engine.context import JobContext
-from sluice.engine.queue import StepReply
-from sluice.errors import CorruptJobError, PayloadNotSerializable, PermanentError, Throttled
+from sluice.engine.protocol import LEASED_FIELDS, StepReply
+from sluice.engine.transport import describe, server_url
+from sluice.errors import (
+    AttemptTimeout,
+    CorruptJobError,
+    PayloadNotSerializable,
+    PermanentError,
+    RedisCommandError,
+    RedisUnavailable,
+    Throttled,
+)
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
     from redis.asyncio.connection import AbstractConnection
     from redis.commands.core import AsyncScript
 
-    from sluice.engine.queue import Outcome, Queue
+    from sluice.engine.protocol import Outcome
+    from sluice.engine.queue import Queue
     from sluice.engine.worker import Handler, Worker
 
-log = structlog.get_logger("sluice.worker")
+log = logging.getLogger("sluice.worker")
 
 try:  # hiredis comes with redis[hiredis]; pack_command is in hiredis >= 2.1
     import hiredis
@@ -135,10 +145,15 @@ class Runner:
         if not self.stopping:
             self.stopping = True
             log.info(
-                "worker stopping",
-                worker=self.wid,
-                in_flight=len(self.running),
-                grace_s=self.worker.shutdown_grace,
+                "worker stopping: %d running job(s) get %gs to finish (worker %s)",
+                len(self.running),
+                self.worker.shutdown_grace,
+                self.wid,
+                extra={
+                    "worker_id": self.wid,
+                    "in_flight": len(self.running),
+                    "grace_s": self.worker.shutdown_grace,
+                },
             )
             self._grace_timer = loop.call_later(self.worker.shutdown_grace, self._release_all)
         if immediately:
@@ -172,11 +187,18 @@ class Runner:
             asyncio.create_task(self._reap_loop(), name="sluice-reaper"),
         ]
         log.info(
-            "worker started",
-            worker=self.wid,
-            queue=self.queue.name,
-            concurrency=self.concurrency,
-            handlers=sorted(self.worker.names),
+            "worker %s serving queue %s at %s (%d at once; handlers: %s)",
+            self.wid,
+            self.queue.name,
+            server_url(self.queue.redis),
+            self.concurrency,
+            ", ".join(sorted(self.worker.names)),
+            extra={
+                "worker_id": self.wid,
+                "queue": self.queue.name,
+                "concurrency": self.concurrency,
+                "handlers": sorted(self.worker.names),
+            },
         )
         try:
             await self._pump()
@@ -194,18 +216,27 @@ class Runner:
             done, stuck = await asyncio.wait(helpers, timeout=5)
             for task in done:
                 if not task.cancelled() and task.exception() is not None:
+                    error = describe(task.exception())  # type: ignore[arg-type]
                     log.warning(
-                        "helper failed", worker=self.wid, helper=task.get_name(), error=repr(task.exception())
+                        "worker %s: %s failed: %s",
+                        self.wid,
+                        task.get_name(),
+                        error,
+                        extra={"worker_id": self.wid, "helper": task.get_name(), "error": error},
                     )
             if stuck:
+                names = [t.get_name() for t in stuck]
                 log.warning(
-                    "helpers did not stop in time", worker=self.wid, helpers=[t.get_name() for t in stuck]
+                    "worker %s: %s did not stop in time",
+                    self.wid,
+                    ", ".join(names),
+                    extra={"worker_id": self.wid, "helpers": names},
                 )
             await blocking.aclose()
             await self._wire.close()
             with contextlib.suppress(Exception):
                 await self.queue.redis.hdel(self.keys.workers, self.wid)
-            log.info("worker stopped", worker=self.wid)
+            log.info("worker %s stopped", self.wid, extra={"worker_id": self.wid})
 
     # ---- the pump ----------------------------------------------------------------------
     async def _pump(self) -> None:
@@ -241,7 +272,16 @@ class Runner:
 
     async def _backoff(self, what: str, exc: BaseException, failures: int) -> None:
         delay = min(5.0, 0.05 * 2 ** min(failures, 7)) * (0.5 + random.random() / 2)
-        log.warning(f"{what} failed; retrying", worker=self.wid, error=repr(exc), retry_in_s=round(delay, 2))
+        error = describe(exc)
+        log.warning(
+            "worker %s: %s failed (Redis at %s: %s); retrying in %.2fs",
+            self.wid,
+            what,
+            server_url(self.queue.redis),
+            error,
+            delay,
+            extra={"worker_id": self.wid, "error": error, "retry_in_s": round(delay, 2)},
+        )
         await asyncio.sleep(delay)
 
     async def _step(self, free: int) -> None:
@@ -253,7 +293,7 @@ class Runner:
             # must survive, or the worker sleeps on a marker already popped.
             self.more = False
         try:
-            keys, args = self.queue.step_command(
+            keys, args = self.queue.protocol.step_command(
                 now=now_ms(), want=free, lease_ms=self.lease_ms, worker_id=self.wid, outcomes=batch
             )
             reply = StepReply.parse(await self._wire.call(keys, args))
@@ -265,17 +305,18 @@ class Runner:
         for outcome, code in zip(batch, reply.codes, strict=True):
             if code <= 0:
                 log.warning(
-                    "outcome refused: lease lost (the job was reaped and may run again)",
-                    worker=self.wid,
-                    job=outcome[0],
-                    code=code,
+                    "outcome refused for job %s: its lease was lost (the job was reaped and "
+                    "may run again) (worker %s)",
+                    outcome[0],
+                    self.wid,
+                    extra={"worker_id": self.wid, "job_id": outcome[0], "code": code},
                 )
         self.next_due = reply.next_due
         jobs = reply.jobs
-        if free > 0 and len(jobs) // 9 >= free:
+        if free > 0 and len(jobs) // LEASED_FIELDS >= free:
             self.more = True  # a full batch: there may be more waiting
-        for i in range(0, len(jobs), 9):
-            self._start(jobs[i : i + 9])
+        for i in range(0, len(jobs), LEASED_FIELDS):
+            self._start(jobs[i : i + LEASED_FIELDS])
 
     def _start(self, f: list[Any]) -> None:
         job_id = f[0].decode()
@@ -289,7 +330,13 @@ class Runner:
             # A record this version cannot read: dead-letter it with the reason
             # rather than let it stall and come back forever.
             error = CorruptJobError(job_id, f"unreadable fields at dispatch: {exc}")
-            log.error("job record unreadable; dead-lettered", worker=self.wid, job=job_id, error=str(exc))
+            log.error(
+                "worker %s: job %s dead-lettered: its record is unreadable (%s)",
+                self.wid,
+                job_id,
+                exc,
+                extra={"worker_id": self.wid, "job_id": job_id, "error": str(exc)},
+            )
             # usage 0: no handler ran, so nothing can have reached the provider
             self.done.append((job_id, f[1], b"p", str(error).encode(), 0, 0))
             self.kick.set()
@@ -343,16 +390,18 @@ class Runner:
                 except TimeoutError:
                     if not cm.expired():
                         raise
-                    raise _AttemptTimedOut(timeout) from None
+                    raise AttemptTimeout(timeout) from None
             return b"c", encode(result, "result"), 0
         except (PermanentError, PayloadNotSerializable) as exc:
             return self._dead(ctx, _describe(exc))
         except Throttled as exc:
             log.info(
-                "provider throttled; the queue pauses and the job waits again",
-                worker=self.wid,
-                job=ctx.id,
-                retry_after_s=exc.retry_after,
+                "worker %s: job %s was throttled by its provider; the queue pauses for %gs "
+                "and the job waits again",
+                self.wid,
+                ctx.id,
+                exc.retry_after,
+                extra={"worker_id": self.wid, "job_id": ctx.id, "retry_after_s": exc.retry_after},
             )
             return b"t", b"%d" % round(exc.retry_after * 1000), 0
         except Exception as exc:  # noqa: BLE001 - any handler error is the job's failure
@@ -362,25 +411,43 @@ class Runner:
                 delay = Backoff.from_json(backoff).seconds(ctx.attempt)
             except (ValueError, TypeError):
                 delay = 1.0
+            error = describe(exc)
             log.warning(
-                "attempt failed; will retry",
-                worker=self.wid,
-                job=ctx.id,
-                name=ctx.name,
-                attempt=ctx.attempt,
-                retry_in_s=round(delay, 3),
-                error=repr(exc)[:200],
+                "worker %s: job %s (%s) attempt %d of %d failed, retrying in %.3fs: %s",
+                self.wid,
+                ctx.id,
+                ctx.name,
+                ctx.attempt,
+                ctx.max_attempts,
+                delay,
+                error,
+                extra={
+                    "worker_id": self.wid,
+                    "job_id": ctx.id,
+                    "job_name": ctx.name,
+                    "attempt": ctx.attempt,
+                    "retry_in_s": round(delay, 3),
+                    "error": error,
+                },
             )
             return b"f", _describe(exc), now_ms() + int(delay * 1000)
 
     def _dead(self, ctx: JobContext, error: bytes, kind: bytes = b"p") -> tuple[bytes, bytes, int]:
+        text = error[:300].decode(errors="replace").splitlines()[0] if error else ""
         log.error(
-            "job failed; dead-lettered",
-            worker=self.wid,
-            job=ctx.id,
-            name=ctx.name,
-            attempt=ctx.attempt,
-            error=error[:300].decode(errors="replace"),
+            "worker %s: job %s (%s) dead-lettered after attempt %d: %s",
+            self.wid,
+            ctx.id,
+            ctx.name,
+            ctx.attempt,
+            text,
+            extra={
+                "worker_id": self.wid,
+                "job_id": ctx.id,
+                "job_name": ctx.name,
+                "attempt": ctx.attempt,
+                "error": text,
+            },
         )
         return kind, error, 0
 
@@ -421,14 +488,20 @@ class Runner:
         # A handler told to stop keeps its lease until it has ended (a slow wind-down
         # must not turn a release into a stall); only a lost lease is let go.
         jobs = [j for j in self.running.values() if j.stop_reason != "lease_lost"]
-        codes = await self.queue.extend(
+        codes = await self.queue.protocol.extend(
             now=now_ms(), lease_ms=self.lease_ms, leases=[(j.ctx.id, j.token) for j in jobs]
         )
         for job, code in zip(jobs, codes, strict=True):
             if code == 1 or job.task is None or job.stop_reason in ("lease_lost", "cancel"):
                 continue
             reason = "cancel" if code == 2 else "lease_lost"
-            log.warning("stopping handler", worker=self.wid, job=job.ctx.id, reason=reason)
+            log.warning(
+                "worker %s: stopping the handler of job %s (%s)",
+                self.wid,
+                job.ctx.id,
+                "its cancellation was requested" if reason == "cancel" else "its lease was lost",
+                extra={"worker_id": self.wid, "job_id": job.ctx.id, "reason": reason},
+            )
             self._stop_handler(job, reason)
 
     async def _reap_loop(self) -> None:
@@ -437,7 +510,7 @@ class Runner:
         while not self._closing:
             await asyncio.sleep(interval * (0.75 + random.random() / 2))
             try:
-                back, dead = await self.queue.reap(now=now_ms())
+                back, dead = await self.queue.protocol.reap(now=now_ms())
                 failures = 0
             except _TRANSIENT as exc:
                 _reraise_if_cancelled()
@@ -445,21 +518,24 @@ class Runner:
                 await self._backoff("reaping", exc, failures)
                 continue
             if back or dead:
-                log.warning("reaped expired leases", worker=self.wid, returned=back, dead=dead)
+                log.warning(
+                    "worker %s: reaped expired leases (their workers died): %d back to waiting, "
+                    "%d dead-lettered",
+                    self.wid,
+                    back,
+                    dead,
+                    extra={"worker_id": self.wid, "returned": back, "dead": dead},
+                )
                 self.more = True
                 self.kick.set()
 
 
-#: Errors a helper rides out with a backoff: Redis unreachable, slow or restarting.
-_TRANSIENT = (RedisError, OSError)
+#: Errors a helper rides out with a backoff: Redis unreachable, slow, restarting or
+#: refusing commands (out of memory); the marked queue calls raise them mapped.
+_TRANSIENT = (RedisError, OSError, RedisUnavailable, RedisCommandError)
 
 #: What a handler stopped by the runner reports: a cancel, or a release to waiting.
 _STOPPED = {"cancel": (b"x", b"cancelled by request", 0), "release": (b"r", b"", 0)}
-
-
-class _AttemptTimedOut(Exception):
-    def __init__(self, timeout: float) -> None:
-        super().__init__(f"attempt timed out after {timeout:g}s and was cancelled")
 
 
 def _reraise_if_cancelled() -> None:

@@ -18,6 +18,15 @@ from sluice.engine.context import JobContext
 from sluice.engine.keys import check_name
 from sluice.engine.queue import Queue
 from sluice.errors import ConfigurationError
+from sluice.settings import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_EVENTS_MAXLEN,
+    DEFAULT_KEEP_FINISHED,
+    DEFAULT_LEASE,
+    DEFAULT_PREFIX,
+    DEFAULT_QUEUE,
+    DEFAULT_SHUTDOWN_GRACE,
+)
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -47,44 +56,79 @@ class Worker:
 
     def __init__(
         self,
-        queue: str = "default",
+        queue: str = DEFAULT_QUEUE,
         *,
         handlers: Mapping[str, Handler] | None = None,
-        concurrency: int = 10,
-        prefix: str = "sluice",
-        lease: float = 30.0,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        prefix: str = DEFAULT_PREFIX,
+        lease: float = DEFAULT_LEASE,
         timeout: float | None = None,
-        shutdown_grace: float = 30.0,
+        shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
         reap_interval: float | None = None,
         worker_id: str | None = None,
-        keep_finished: float = 86_400.0,
-        events_maxlen: int = 10_000,
+        keep_finished: float = DEFAULT_KEEP_FINISHED,
+        events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
     ) -> None:
-        check_name("queue name", queue)
-        check_name("key prefix", prefix)
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ConfigurationError(f"concurrency must be an integer >= 1, got {concurrency!r}")
-        for what, value in (("lease", lease), ("shutdown_grace", shutdown_grace)):
-            if not math.isfinite(value) or value <= 0:
-                raise ConfigurationError(f"{what} must be > 0 seconds, got {value!r}")
-        if lease < 0.1:
-            raise ConfigurationError(f"lease must be at least 0.1 s, got {lease!r}")
-        if timeout is not None and (not math.isfinite(timeout) or timeout <= 0):
-            raise ConfigurationError(f"timeout must be > 0 seconds or None, got {timeout!r}")
         self.queue_name = queue
         self.prefix = prefix
         self.concurrency = concurrency
         self.lease = lease
         self.timeout = timeout
         self.shutdown_grace = shutdown_grace
-        self.reap_interval = reap_interval if reap_interval is not None else min(max(lease / 2, 0.05), 5.0)
+        self.reap_interval = 0.0
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(2)}"
         self.keep_finished = keep_finished
         self.events_maxlen = events_maxlen
+        self.configure(reap_interval=reap_interval)
         self._handlers: dict[str, Handler] = {}
         self._runner: Any = None
         for name, fn in (handlers or {}).items():
             self.register(name, fn)
+
+    def configure(
+        self,
+        *,
+        queue: str | None = None,
+        prefix: str | None = None,
+        concurrency: int | None = None,
+        lease: float | None = None,
+        timeout: float | None = None,
+        shutdown_grace: float | None = None,
+        reap_interval: float | None = None,
+        worker_id: str | None = None,
+    ) -> Worker:
+        """Change settings before :meth:`run` (``sluice worker --lease ...`` does);
+        every value is checked, and the lease's reap interval follows a new lease."""
+        queue = self.queue_name if queue is None else queue
+        prefix = self.prefix if prefix is None else prefix
+        concurrency = self.concurrency if concurrency is None else concurrency
+        lease = self.lease if lease is None else lease
+        timeout = self.timeout if timeout is None else timeout
+        grace = self.shutdown_grace if shutdown_grace is None else shutdown_grace
+        check_name("queue name", queue)
+        check_name("key prefix", prefix)
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigurationError(f"concurrency must be an integer >= 1, got {concurrency!r}")
+        for what, value in (("lease", lease), ("shutdown_grace", grace)):
+            if not _seconds(value) or value <= 0:
+                raise ConfigurationError(f"{what} must be > 0 seconds, got {value!r}")
+        if lease < 0.1:
+            raise ConfigurationError(f"lease must be at least 0.1 s, got {lease!r}")
+        if timeout is not None and (not _seconds(timeout) or timeout <= 0):
+            raise ConfigurationError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+        if reap_interval is not None and (not _seconds(reap_interval) or reap_interval <= 0):
+            raise ConfigurationError(f"reap_interval must be > 0 seconds, got {reap_interval!r}")
+        if worker_id is not None and (not isinstance(worker_id, str) or not worker_id):
+            raise ConfigurationError(f"worker_id must be a non-empty string, got {worker_id!r}")
+        self.queue_name, self.prefix, self.concurrency = queue, prefix, concurrency
+        if reap_interval is None and (lease != self.lease or not self.reap_interval):
+            reap_interval = min(max(lease / 2, 0.05), 5.0)
+        self.lease, self.timeout, self.shutdown_grace = lease, timeout, grace
+        if reap_interval is not None:
+            self.reap_interval = reap_interval
+        if worker_id is not None:
+            self.worker_id = worker_id
+        return self
 
     # ---- handlers --------------------------------------------------------------
     def register(self, name: str, fn: Handler) -> None:
@@ -182,3 +226,7 @@ class Worker:
         for sig in sigs:
             loop.add_signal_handler(sig, on_signal)
         return sigs
+
+
+def _seconds(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)

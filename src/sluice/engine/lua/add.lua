@@ -1,8 +1,8 @@
 -- add: create jobs (one or many), honouring idempotency keys.
 --
 -- KEYS[1] seq   KEYS[2] waiting   KEYS[3] delayed   KEYS[4] events
--- KEYS[5] wake  KEYS[6] stats     KEYS[7] job key prefix
--- KEYS[7 + k]   the k-th idempotency key named by the jobs below
+-- KEYS[5] wake  KEYS[6] stats     KEYS[7] job key prefix  KEYS[8] budget key prefix
+-- KEYS[8 + k]   the k-th idempotency key named by the jobs below
 -- ARGV[1] now (ms)  ARGV[2] events stream max length  ARGV[3] idempotency TTL (ms)
 -- ARGV[4] number of jobs n
 -- ARGV[5 + 12 * (i - 1) ...] per job: name, payload (JSON), priority, delay (ms),
@@ -11,7 +11,10 @@
 --   idempotency key index k (0 = none)
 --
 -- Returns {id_1, created_1, id_2, created_2, ...}: created is 1 for a new job
--- and 0 when an idempotency key already named a job (its id is returned).
+-- and 0 when an idempotency key already named a job (its id is returned);
+-- or {-1, budget} when a job names a budget that does not exist: then
+-- nothing at all is written. (A budget name is checked by the caller, so the
+-- key it makes stays in this queue's slot.)
 -- Ids are the queue's sequence numbers; the waiting score is
 -- priority * 2^32 + (sequence mod 2^32): lower priority first, FIFO within one.
 
@@ -21,13 +24,18 @@ local now = tonumber(ARGV[1])
 local maxlen = ARGV[2]
 local idem_ttl = tonumber(ARGV[3])
 local n = tonumber(ARGV[4])
+for i = 1, n do
+  local budget = ARGV[5 + 12 * (i - 1) + 9]
+  if budget ~= '' and redis.call('EXISTS', KEYS[8] .. budget) == 0 then return {-1, budget} end
+end
+
 local out = {}
-local added, woke = 0, false
+local added = 0
 for i = 1, n do
   local a = 5 + 12 * (i - 1)
   local idem_k = tonumber(ARGV[a + 11])
   local existing = false
-  if idem_k > 0 then existing = redis.call('GET', KEYS[7 + idem_k]) end
+  if idem_k > 0 then existing = redis.call('GET', KEYS[8 + idem_k]) end
   if existing then
     out[#out + 1] = existing
     out[#out + 1] = 0
@@ -51,8 +59,8 @@ for i = 1, n do
       redis.call('ZADD', KEYS[2], score, id)
     end
     if idem_k > 0 then
-      redis.call('HSET', jk, 'idem', KEYS[7 + idem_k])
-      redis.call('SET', KEYS[7 + idem_k], id, 'PX', idem_ttl)
+      redis.call('HSET', jk, 'idem', KEYS[8 + idem_k])
+      redis.call('SET', KEYS[8 + idem_k], id, 'PX', idem_ttl)
     end
     emit(KEYS[4], maxlen, 'added', id, 'state', state)
     added = added + 1

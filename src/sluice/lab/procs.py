@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,32 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from sluice.testing.processes import worker_argv
+
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 #: The handler module every benchmark worker runs.
-WORKER_TARGET = "sluice.bench.noop:worker"
+WORKER_TARGET = "sluice.lab.noop:worker"
 
-
-def worker_argv(
-    url: str, queue: str, concurrency: int, worker_id: str, target: str = WORKER_TARGET
-) -> list[str]:
-    """argv of one single-process `sluice worker` serving ``queue`` (the demo uses it too)."""
-    return [
-        sys.executable,
-        "-m",
-        "sluice",
-        "worker",
-        target,
-        "--redis",
-        url,
-        "--queue",
-        queue,
-        "--concurrency",
-        str(concurrency),
-        "--worker-id",
-        worker_id,
-    ]
+__all__ = ["WORKER_TARGET", "WorkerGroup", "process_cpu_s", "redis_cpu_s", "worker_argv"]
 
 
 def process_cpu_s(proc: psutil.Process) -> float:

@@ -1,6 +1,6 @@
 """The goodput benchmark's worker: one provider call per job, two ways of taking a 429.
 
-Started as ``sluice worker sluice.bench.goodput_worker:worker``; the
+Started as ``sluice worker sluice.lab.goodput_worker:worker``; the
 benchmark passes the provider's base URL, the Redis URL and a hash key in
 the environment. The job's name picks the variant, so one worker serves both:
 
@@ -28,17 +28,18 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from sluice import Throttled
-from sluice.bench.provider import COMPLETIONS_PATH, REQUEST_ID_HEADER, STATS_PATH
 from sluice.engine.connection import connect
 from sluice.engine.context import JobContext
 from sluice.engine.worker import Worker
+from sluice.settings import ENV_GOODPUT_PROVIDER, ENV_GOODPUT_REDIS, ENV_GOODPUT_RUNS_KEY
+from sluice.testing.provider import COMPLETIONS_PATH, REQUEST_ID_HEADER, STATS_PATH
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-ENV_PROVIDER = "SLUICE_GOODPUT_PROVIDER"
-ENV_REDIS = "SLUICE_GOODPUT_REDIS"
-ENV_RUNS_KEY = "SLUICE_GOODPUT_RUNS_KEY"
+ENV_PROVIDER = ENV_GOODPUT_PROVIDER
+ENV_REDIS = ENV_GOODPUT_REDIS
+ENV_RUNS_KEY = ENV_GOODPUT_RUNS_KEY
 MODEL = "simulated"
 
 #: The benchmark passes --queue and --concurrency; these are only defaults.

@@ -9,7 +9,7 @@ figures sit next to the peers' on equal terms:
   completed job (with several processes: from the moment every process has
   completed one) until all N are done, so interpreter start-up is excluded
   (the JSON has the rate including start-up too);
-* every job counts itself (``HINCRBY``, see :mod:`sluice.bench.noop`), so a
+* every job counts itself (``HINCRBY``, see :mod:`sluice.lab.noop`), so a
   lost or twice-run job shows, whatever the engine's own counters say;
 * CPU is read from the OS for the workers (psutil) and from INFO for Redis,
   over the same window, and per job including start-up as the harness does.
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sluice.bench.common import drop_queue, new_queue_name
-from sluice.bench.noop import ENV_DONE_KEY, ENV_URL
-from sluice.bench.procs import WorkerGroup, redis_cpu_s
-from sluice.bench.stats import per_job_us, rate
 from sluice.engine.job import JobSpec
 from sluice.engine.queue import Queue
+from sluice.lab.common import drop_queue, new_queue_name
+from sluice.lab.noop import ENV_DONE_KEY, ENV_URL
+from sluice.lab.procs import WorkerGroup, redis_cpu_s
+from sluice.lab.stats import per_job_us, rate
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sluice.bench.common import drop_queue, new_queue_name
-from sluice.bench.noop import ENV_DONE_KEY, ENV_URL
-from sluice.bench.procs import WorkerGroup, redis_cpu_s
-from sluice.bench.stats import per_job_us, summarize_ms
 from sluice.engine.queue import Queue
+from sluice.lab.common import drop_queue, new_queue_name
+from sluice.lab.noop import ENV_DONE_KEY, ENV_URL
+from sluice.lab.procs import WorkerGroup, redis_cpu_s
+from sluice.lab.stats import per_job_us, summarize_ms
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

@@ -1,4 +1,4 @@
-"""The benchmark worker: one handler, ``noop``, started as ``sluice worker sluice.bench.noop:worker``.
+"""The benchmark worker: one handler, ``noop``, started as ``sluice worker sluice.lab.noop:worker``.
 
 With ``SLUICE_BENCH_URL`` and ``SLUICE_BENCH_DONE_KEY`` set (the benchmarks
 set them), the job does what the peer harness's job does: one
@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 from sluice.engine.connection import connect
 from sluice.engine.context import JobContext
 from sluice.engine.worker import Worker
+from sluice.settings import ENV_BENCH_DONE_KEY, ENV_BENCH_URL
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-ENV_URL = "SLUICE_BENCH_URL"
-ENV_DONE_KEY = "SLUICE_BENCH_DONE_KEY"
+ENV_URL = ENV_BENCH_URL
+ENV_DONE_KEY = ENV_BENCH_DONE_KEY
 
 #: The benchmarks pass --queue; this name is only the default.
 worker = Worker("bench", concurrency=10, shutdown_grace=5.0)

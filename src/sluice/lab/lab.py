@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from sluice.bench.common import drop_queue
-from sluice.bench.lab_worker import ENV_URL, lab_key
-from sluice.bench.procs import worker_argv
-from sluice.bench.stats import percentile
 from sluice.engine.job import JobSpec, JobState
 from sluice.engine.queue import Queue
+from sluice.lab.common import drop_queue
+from sluice.lab.lab_worker import ENV_URL, lab_key
+from sluice.lab.stats import percentile
+from sluice.testing.processes import worker_argv
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 MODES = ("naive", "atomic", "admission")
 #: How much later than its dispatch a handler may record its start.
 START_LAG_MS = 50
-WORKER_TARGET = "sluice.bench.lab_worker:worker"
+WORKER_TARGET = "sluice.lab.lab_worker:worker"
 
 
 @dataclass(frozen=True)

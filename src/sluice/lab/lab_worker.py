@@ -1,4 +1,4 @@
-"""The lab's worker: ``sluice worker sluice.bench.lab_worker:worker``, two processes per mode.
+"""The lab's worker: ``sluice worker sluice.lab.lab_worker:worker``, two processes per mode.
 
 A job simulates one LLM call of ``tokens`` tokens taking ``latency_ms``, behind
 the budget gate of the lab's mode:
@@ -35,12 +35,13 @@ from sluice.engine.keys import QueueKeys
 from sluice.engine.queue import Queue
 from sluice.engine.worker import Worker
 from sluice.errors import Throttled
+from sluice.settings import ENV_LAB_URL
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 #: The Redis URL of the lab's own reads and writes (the worker's --redis too).
-ENV_URL = "SLUICE_LAB_URL"
+ENV_URL = ENV_LAB_URL
 
 #: The lab passes --queue; this name is only the default.
 worker = Worker("lab", concurrency=3, shutdown_grace=5.0, lease=10.0)

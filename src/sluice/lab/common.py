@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 import sluice
-from sluice.cli.server import ENV_URL
-from sluice.embedded import EmbeddedRedis
 from sluice.engine.keys import QueueKeys
+from sluice.settings import ENV_REDIS_URL
+from sluice.testing.embedded import EmbeddedRedis
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -41,7 +41,7 @@ def bench_redis(explicit: str | None) -> Iterator[tuple[str, str]]:
     port (not the CLI's shared ./.sluice socket): a benchmark should neither
     write an append-only file nor measure someone else's traffic.
     """
-    url = explicit or os.environ.get(ENV_URL)
+    url = explicit or os.environ.get(ENV_REDIS_URL)
     if url:
         yield url, "given"
         return

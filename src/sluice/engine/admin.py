@@ -1,0 +1,204 @@
+"""Looking after a queue: counts, listings, live workers and the dead-letter queue.
+
+Mixed into :class:`~sluice.engine.queue.Queue`, beside the producer calls
+(queue.py) and the flow controls (flow.py); the worker protocol lives apart
+(protocol.py), since only workers speak it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from sluice.engine.job import JobRecord, JobState
+from sluice.engine.keys import check_job_id
+from sluice.engine.transport import reads, writes
+from sluice.errors import InvalidJobError, JobNotFound, JobStateError
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+    from sluice.engine.keys import QueueKeys
+    from sluice.engine.scripts import Scripts
+
+#: Cumulative counters of the ``stats`` hash, in the order ``counts()`` gives them.
+COUNTERS = (
+    "added",
+    "completed",
+    "failed",
+    "retried",
+    "stalled",
+    "cancelled",
+    "released",
+    "stale_refused",
+    "orphaned",
+    "throttled",
+    "rejected",
+    "unknown_outcome",
+)
+
+#: Ids per redrive / purge script call: bounded work per call.
+ADMIN_CHUNK = 500
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """One worker's last heartbeat (written at start and every lease/3)."""
+
+    id: str
+    names: tuple[str, ...]
+    concurrency: int | None
+    seen_ms: int | None
+
+
+class QueueAdmin:
+    """Queue methods for operators and dashboards (mixed into :class:`Queue`)."""
+
+    redis: Redis
+    keys: QueueKeys
+    scripts: Scripts
+    events_maxlen: int
+
+    if TYPE_CHECKING:  # provided by Queue
+
+        async def get_jobs(self, job_ids: Sequence[str]) -> list[JobRecord | None]: ...
+        async def job_state(self, job_id: str) -> JobState | None: ...
+
+    @reads
+    async def counts(self) -> dict[str, int]:
+        """Jobs in each live state now, and cumulative counters since the queue began.
+
+        Live: waiting, delayed, parked (waiting for a budget), active, dead.
+        Cumulative: added, completed, failed (attempts), retried, stalled,
+        cancelled, released, dead_total, stale_refused (late answers from
+        workers that had lost their lease), orphaned (queue entries whose
+        record had vanished), throttled (attempts the provider refused),
+        rejected (jobs their budget refused), unknown_outcome (reservations
+        kept charged because the attempt's outcome is unknown).
+        """
+        k = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in (k.waiting, k.delayed, k.active, k.dead):
+                pipe.zcard(key)
+            pipe.hgetall(k.stats)
+            pipe.zrange(k.parkedby, 0, -1)
+            waiting, delayed, active, dead, stats, parked_on = await pipe.execute()
+        parked = 0
+        if parked_on:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for name in parked_on:
+                    pipe.zcard(k.parked_prefix + name.decode())
+                parked = sum(await pipe.execute())
+        out = {"waiting": waiting, "delayed": delayed, "parked": parked, "active": active, "dead": dead}
+        for name in COUNTERS:
+            out[name] = int(stats.get(name.encode(), 0))
+        out["dead_total"] = int(stats.get(b"dead", 0))
+        return out
+
+    @reads
+    async def ids(self, state: JobState, offset: int = 0, limit: int = 100) -> list[str]:
+        """Ids of jobs in a live state, in the order they will run (or died).
+
+        Parked jobs are kept per budget; their ids come in waiting order
+        across all budgets.
+        """
+        if state is JobState.PARKED:
+            return (await self._parked_ids())[offset : offset + limit]
+        key = {
+            JobState.WAITING: self.keys.waiting,
+            JobState.DELAYED: self.keys.delayed,
+            JobState.ACTIVE: self.keys.active,
+            JobState.DEAD: self.keys.dead,
+        }.get(state)
+        if key is None:
+            raise InvalidJobError(
+                f"finished jobs of state {state} are not indexed; "
+                "use waiting, delayed, parked, active or dead"
+            )
+        raw: list[bytes] = await self.redis.zrange(key, offset, offset + limit - 1)  # type: ignore[assignment]
+        return [r.decode() for r in raw]
+
+    async def _parked_ids(self) -> list[str]:
+        k = self.keys
+        names: list[bytes] = await self.redis.zrange(k.parkedby, 0, -1)  # type: ignore[assignment]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.zrange(k.parked_prefix + name.decode(), 0, -1, withscores=True)
+            sets: list[list[tuple[bytes, float]]] = await pipe.execute()
+        return [m.decode() for m, _ in sorted((e for s in sets for e in s), key=lambda e: e[1])]
+
+    @reads
+    async def workers(self) -> list[WorkerInfo]:
+        """Workers that have served this queue, by their last heartbeat (a crashed one
+        lingers with an old ``seen_ms``)."""
+        raw: dict[bytes, bytes] = await self.redis.hgetall(self.keys.workers)  # type: ignore[assignment]
+        out: list[WorkerInfo] = []
+        for wid, beat in sorted(raw.items()):
+            try:
+                data: Any = orjson.loads(beat)
+                names = tuple(str(n) for n in data.get("names", ()))
+                concurrency = data.get("concurrency")
+                seen = data.get("seen_ms")
+            except (orjson.JSONDecodeError, AttributeError, TypeError):
+                names, concurrency, seen = (), None, None
+            out.append(
+                WorkerInfo(
+                    wid.decode(errors="replace"),
+                    names,
+                    concurrency if isinstance(concurrency, int) else None,
+                    seen if isinstance(seen, int) else None,
+                )
+            )
+        return out
+
+    async def dead_letters(self, offset: int = 0, limit: int = 100) -> list[JobRecord]:
+        """Dead-lettered jobs, oldest first, with their last error."""
+        ids = await self.ids(JobState.DEAD, offset, limit)
+        return [r for r in await self.get_jobs(ids) if r is not None]
+
+    @writes
+    async def redrive(self, job_ids: Iterable[str] | None = None) -> int:
+        """Move dead jobs (all if ``job_ids`` is None) back to waiting, attempts reset."""
+        ids = list(job_ids) if job_ids is not None else await self._all_dead()
+        for job_id in ids:
+            check_job_id(job_id)
+        moved = 0
+        for chunk in _chunks(ids, ADMIN_CHUNK):
+            k = self.keys
+            codes = await self.scripts.redrive(
+                keys=[k.dead, k.waiting, k.events, k.wake, *(k.job(i) for i in chunk)],
+                args=[self.events_maxlen, *chunk],
+            )
+            for job_id, code in zip(chunk, codes, strict=True):
+                if code == -1 and job_ids is not None:
+                    raise JobNotFound(job_id)
+                if code == 0 and job_ids is not None:
+                    state = await self.job_state(job_id)
+                    raise JobStateError(job_id, str(state), "only dead jobs can be redriven")
+                moved += code == 1
+        return moved
+
+    @writes
+    async def purge_dead(self, job_ids: Iterable[str] | None = None) -> int:
+        """Delete dead jobs for good (all if ``job_ids`` is None)."""
+        ids = list(job_ids) if job_ids is not None else await self._all_dead()
+        for job_id in ids:
+            check_job_id(job_id)
+        removed = 0
+        for chunk in _chunks(ids, ADMIN_CHUNK):
+            removed += await self.scripts.purge(
+                keys=[self.keys.dead, *(self.keys.job(i) for i in chunk)], args=chunk
+            )
+        return removed
+
+    async def _all_dead(self) -> list[str]:
+        raw: list[bytes] = await self.redis.zrange(self.keys.dead, 0, -1)  # type: ignore[assignment]
+        return [r.decode() for r in raw]
+
+
+def _chunks(items: list[str], size: int) -> Iterable[list[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

@@ -1,0 +1,126 @@
+"""The worker protocol: what a worker says to a queue, and what the queue answers.
+
+Three calls, each one Lua script: :meth:`WorkerProtocol.step` (hand in the
+outcomes finished since the last call, promote due jobs, lease as many new
+ones as there are free slots), :meth:`~WorkerProtocol.extend` (renew the
+leases of running jobs) and :meth:`~WorkerProtocol.reap` (return jobs whose
+lease expired). The runner (runner.py) is their user; tests that drive time
+call them with ``now`` in hand. Producers never need them, which is why they
+live on ``queue.protocol`` and not on the :class:`~sluice.engine.queue.Queue`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from sluice.engine.transport import writes
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+    from sluice.engine.queue import Queue
+
+#: One finished attempt as the worker reports it:
+#: (job id, token, kind, value, retry_at ms, tokens used or -1).
+Outcome = tuple[str, bytes, bytes, bytes, int, int]
+
+#: Fields per leased job in a step's reply (see lua/includes/dispatch.lua).
+LEASED_FIELDS = 9
+
+
+class StepReply(NamedTuple):
+    """What one dispatch step answered."""
+
+    codes: list[int]
+    next_due: int
+    jobs: list[Any]
+
+    @classmethod
+    def parse(cls, reply: list[Any]) -> StepReply:
+        """Split the dispatch script's flat reply: {n, codes..., next_due, jobs...}."""
+        n = reply[0]
+        return cls(reply[1 : 1 + n], reply[1 + n], reply[2 + n :])
+
+
+class WorkerProtocol:
+    """The worker's side of one queue: ``queue.protocol``."""
+
+    def __init__(self, queue: Queue) -> None:
+        self._queue = queue
+        self.keys = queue.keys
+
+    @property
+    def redis(self) -> Redis:
+        return self._queue.redis
+
+    @writes
+    async def step(
+        self, *, now: int, want: int, lease_ms: int, worker_id: str, outcomes: Sequence[Outcome] = ()
+    ) -> StepReply:
+        """Record ``outcomes`` (fenced by token), promote due jobs, lease up to ``want``.
+
+        An outcome is ``(job_id, token, kind, value, retry_at_ms, tokens_used)``
+        with kind b"c" completed, b"f" failed, b"p" failed permanently, b"r"
+        released, b"x" cancelled, b"t" throttled (value: retry after, ms), and
+        tokens_used -1 when not reported (see lua/includes/finish.lua). Returns the per-outcome
+        codes, the next delayed due time (ms, or -1) and the leased jobs as
+        flat 9-value groups (see lua/includes/dispatch.lua).
+        """
+        keys, args = self.step_command(
+            now=now, want=want, lease_ms=lease_ms, worker_id=worker_id, outcomes=outcomes
+        )
+        return StepReply.parse(await self._queue.scripts.dispatch(keys=keys, args=args))
+
+    def step_command(
+        self, *, now: int, want: int, lease_ms: int, worker_id: str, outcomes: Sequence[Outcome] = ()
+    ) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV of one dispatch call, for callers that send it themselves.
+
+        The worker's pump does: it owns a connection of its own for this one
+        script (see runner.py), and parses the answer with :meth:`StepReply.parse`.
+        """
+        k = self.keys
+        q = self._queue
+        keys = [k.waiting, k.delayed, k.active, k.events, k.stats, k.wake, k.job_prefix, k.dead, *k.flow]
+        args: list[Any] = [
+            now,
+            want,
+            lease_ms,
+            worker_id,
+            q.events_maxlen,
+            q.keep_finished_ms,
+            q.event_result_max_bytes,
+            len(outcomes),
+        ]
+        job_prefix = k.job_prefix
+        for outcome in outcomes:
+            if len(outcome) != 6:
+                raise ValueError(
+                    f"an outcome is (job id, token, kind, value, retry_at, tokens used), got {outcome!r}"
+                )
+            keys.append(job_prefix + outcome[0])
+            args += outcome
+        return keys, args
+
+    @writes
+    async def extend(self, *, now: int, lease_ms: int, leases: Sequence[tuple[str, bytes]]) -> list[int]:
+        """Renew leases; per job 1 renewed, 2 renewed but cancel requested, 0 lost, -1 gone."""
+        if not leases:
+            return []
+        keys = [self.keys.active, *(self.keys.job(job_id) for job_id, _ in leases)]
+        args: list[Any] = [now, lease_ms]
+        for job_id, token in leases:
+            args += (job_id, token)
+        return list(await self._queue.scripts.extend(keys=keys, args=args))
+
+    @writes
+    async def reap(self, *, now: int, limit: int = 1000) -> tuple[int, int]:
+        """Return expired leases to waiting (or dead); returns (returned, dead-lettered)."""
+        k = self.keys
+        q = self._queue
+        back, dead = await q.scripts.reap(
+            keys=[k.active, k.waiting, k.dead, k.events, k.stats, k.wake, k.job_prefix, *k.flow],
+            args=[now, limit, q.events_maxlen, q.keep_finished_ms],
+        )
+        return int(back), int(dead)

