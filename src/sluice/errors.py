@@ -94,7 +94,7 @@ class MissingExtra(SluiceError, ImportError):
     def __init__(self, extra: str, feature: str, missing: str, alternative: str = "") -> None:
         super().__init__(
             f"{feature} needs the {extra!r} extra ({missing} is not installed): "
-            f"pip install 'sluice[{extra}]'" + (f"; {alternative}" if alternative else "")
+            f"pip install 'sluice-queue[{extra}]'" + (f"; {alternative}" if alternative else "")
         )
         self.extra = extra
         self.feature = feature
@@ -110,7 +110,7 @@ class RedisUnavailable(SluiceError, ConnectionError):
 
     def __init__(self, url: str, reason: str, advice: str = "") -> None:
         advice = advice or (
-            "check that it runs and that the URL is right (--redis or SLUICE_REDIS_URL; "
+            "Check that it runs and that the URL is right (--redis or SLUICE_REDIS_URL; "
             "`sluice redis` starts a local one)"
         )
         super().__init__(f"Redis at {url} is unavailable: {reason}. {advice}")
@@ -170,7 +170,7 @@ class CorruptJobError(SluiceError):
         super().__init__(
             f"job {job_id!r}: stored record is unreadable ({problem}); it was written by "
             "another program or an incompatible Sluice version. Inspect it with "
-            "`sluice jobs show` or remove it with `sluice dlq purge`."
+            "`sluice show ID` or remove it with `sluice dlq purge ID`."
         )
         self.job_id = job_id
         self.problem = problem
@@ -182,7 +182,7 @@ class JobNotFound(SluiceError, KeyError):
     def __init__(self, job_id: str) -> None:
         super().__init__(
             f"no job {job_id!r} in this queue: it never existed or its record expired "
-            "(completed jobs are kept for `keep_completed` seconds)"
+            "(finished jobs are kept for the queue's keep_finished seconds, a day by default)"
         )
         self.job_id = job_id
 
@@ -268,6 +268,7 @@ class ResultTimeout(SluiceError, TimeoutError):
         )
         self.job_id = job_id
         self.state = state
+        self.timeout = timeout
 
 
 class AttemptTimeout(SluiceError, TimeoutError):

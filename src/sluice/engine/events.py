@@ -71,13 +71,25 @@ class ResultWaiter:
         self._started = asyncio.Event()
 
     async def register(self, job_id: str) -> asyncio.Future[Outcome]:
-        """Register interest in one job; returns once the reader covers the present."""
+        """Register interest in one job; returns once the reader covers the present.
+
+        If the reader cannot start (Redis unreachable), its error is raised here.
+        """
         fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(job_id.encode(), []).append(fut)
         if self._task is None or self._task.done():
             self._started.clear()
             self._task = asyncio.create_task(self._read(), name="sluice-result-waiter")
-        await self._started.wait()
+        task = self._task
+        started = asyncio.ensure_future(self._started.wait())
+        try:
+            await asyncio.wait({started, task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+        if not self._started.is_set():
+            self.forget(job_id, fut)
+            task.result()  # raises the reader's error
+            raise RuntimeError("the result reader ended before it started")  # pragma: no cover
         return fut
 
     def forget(self, job_id: str, fut: asyncio.Future[Outcome]) -> None:
@@ -121,7 +133,8 @@ class ResultWaiter:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # A reader that failed to start already raised its error to the waiter.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
         for futs in self._waiters.values():

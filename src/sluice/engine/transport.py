@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -32,6 +33,9 @@ from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     BusyLoadingError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
     RedisError,
     ResponseError,
 )
@@ -64,17 +68,19 @@ TRANSPORT_ERRORS = (RedisError, OSError)
 _ADVICE = {
     "OOM": "Redis reached its maxmemory: free memory or raise maxmemory (Sluice needs "
     "maxmemory-policy noeviction, or jobs may vanish)",
-    "READONLY": "the URL points at a read-only replica; point Sluice at the primary",
-    "NOPERM": "the Redis user lacks a permission: Sluice needs EVALSHA, SCRIPT LOAD and the "
+    "READONLY": "The URL points at a read-only replica; point Sluice at the primary",
+    "NOPERM": "The Redis user lacks a permission: Sluice needs EVALSHA, SCRIPT LOAD and the "
     "commands its scripts run, on every key under its prefix",
     "NOAUTH": "Redis wants a password: put it in the URL (redis://:PASSWORD@host:port/0)",
-    "WRONGTYPE": "a key under this queue's prefix holds another type: another program writes "
+    "WRONGTYPE": "A key under this queue's prefix holds another type: another program writes "
     "there; give Sluice a prefix of its own",
     "BUSY": "Redis is running a long script; wait, or end it with SCRIPT KILL",
     "MISCONF": "Redis cannot persist its data (see its log); fix the disk or its save settings",
 }
+_IN_SCRIPT = re.compile(r"^Error running script .*?: -([A-Z]+) (.*)$")
+_CODED = ((OutOfMemoryError, "OOM"), (ReadOnlyError, "READONLY"), (NoPermissionError, "NOPERM"))
 _UNKNOWN_REPLY = (
-    "this is not expected: report it with the message at the Sluice issue tracker "
+    "This is not expected: report it with the message at the Sluice issue tracker "
     "(Sluice needs Redis 6.2 or newer)"
 )
 
@@ -119,11 +125,19 @@ def translate(redis: Any, exc: BaseException, *, operation: str | None) -> Sluic
         return RedisUnavailable(
             url,
             f"it refused the credentials ({_reason(exc)})",
-            "put the right user and password in the URL: redis://USER:PASSWORD@host:port/0",
+            "Put the right user and password in the URL: redis://USER:PASSWORD@host:port/0",
         )
     if isinstance(exc, ResponseError):
+        # redis-py strips the error code from the replies it has classes for.
+        code = next((c for cls, c in _CODED if isinstance(exc, cls)), None)
         reply = _reason(exc)
-        code = reply.split(" ", 1)[0].upper()
+        wrapped = _IN_SCRIPT.search(reply)  # Redis 6.2: "Error running script (...): -OOM ..."
+        if wrapped:
+            code, reply = wrapped.group(1), f"{wrapped.group(1)} {wrapped.group(2)}"
+        elif code is None:
+            code = reply.split(" ", 1)[0].upper()
+        else:
+            reply = f"{code} {reply}"
         return RedisCommandError(url, reply, _ADVICE.get(code, _UNKNOWN_REPLY))
     if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
         if operation is not None and not _not_sent(exc):
@@ -149,20 +163,16 @@ def reads(
 
     @functools.wraps(fn)
     async def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        try:
-            return await fn(self, *args, **kwargs)
-        except SluiceError:
-            raise
-        except TRANSPORT_ERRORS as exc:
-            if not _retryable_read(exc):
-                raise translate(self.redis, exc, operation=None) from exc
-            log.info("Redis connection broke during a read (%s); trying once more", _reason(exc))
-        try:
-            return await fn(self, *args, **kwargs)
-        except SluiceError:
-            raise
-        except TRANSPORT_ERRORS as exc:
-            raise translate(self.redis, exc, operation=None) from exc
+        for attempt in (1, 2):
+            try:
+                return await fn(self, *args, **kwargs)
+            except SluiceError:
+                raise
+            except TRANSPORT_ERRORS as exc:
+                if attempt == 2 or not _retryable_read(exc):
+                    raise translate(self.redis, exc, operation=None) from exc
+                log.info("Redis connection broke during a read (%s); trying once more", _reason(exc))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     call.__sluice_transport__ = "read"  # type: ignore[attr-defined]
     return call
