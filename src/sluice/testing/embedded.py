@@ -5,7 +5,8 @@ The binary is the system's ``redis-server`` if one is on PATH (Debian ships
 extra). The server listens on a unix socket (or, with ``port=0``, a free
 loopback port) and keeps its data in a folder of its own.
 :class:`EmbeddedRedis` is one server owned by one object; the command line
-shares one per folder between commands (see sluice.testing.shared).
+shares one per folder between commands (:mod:`sluice.testing.shared`, which
+starts it through this class and stops it with :func:`shutdown`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import shutil
 import socket
 import subprocess
 import sysconfig
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +28,9 @@ from sluice.settings import ENV_REDIS_SERVER, ENV_REDIS_URL
 
 #: A unix socket path must fit in sockaddr_un (108 bytes with the NUL).
 _MAX_SOCKET_PATH = 100
+
+#: Where a server listens: a unix socket path, or a (host, port) pair.
+Address = str | tuple[str, int]
 
 
 @dataclass(frozen=True)
@@ -116,12 +122,82 @@ def _read_bulk(sock: socket.socket, count: int) -> list[bytes]:
     return out
 
 
+def _connect(address: Address, timeout: float) -> socket.socket:
+    family = socket.AF_UNIX if isinstance(address, str) else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def probe(address: Address, timeout: float = 1.0, *, loaded: bool = True) -> int | None:
+    """The process id of the Redis answering at ``address``, else None.
+
+    With ``loaded`` (the default), only once it has loaded its data: a server
+    still reading its append-only file answers INFO but refuses commands, so
+    "answers" alone does not mean "ready". Raw RESP on a socket, not
+    redis-py: this runs before any client exists. Callers compare the pid
+    with the process they expect, so that another server on a reused port
+    (or behind a stale socket file) is never taken for theirs.
+    """
+    try:
+        with _connect(address, timeout) as s:
+            s.sendall(b"INFO server\r\nINFO persistence\r\n")
+            server, persistence = _read_bulk(s, 2)
+    except (OSError, ValueError):
+        return None
+    if loaded and b"loading:0\r\n" not in persistence:
+        return None
+    for line in server.split(b"\r\n"):
+        if line.startswith(b"process_id:"):
+            return int(line.partition(b":")[2])
+    return None
+
+
+def shutdown(address: Address, timeout: float = 10.0) -> bool:
+    """Send SHUTDOWN: the server flushes its append-only file and exits.
+
+    True when the server closed the connection as it does on success; False
+    when it could not be reached or refused (the caller then signals the pid).
+    """
+    try:
+        with _connect(address, timeout) as s:
+            s.sendall(b"SHUTDOWN\r\n")
+            return s.recv(256) == b""
+    except OSError:
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie (exited, waiting to be reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (macOS): kill(0) is all we can know
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 class EmbeddedRedis:
     """One private redis-server process. Use as a context manager, or start()/stop().
 
     ``port=None`` listens on a unix socket in ``data_dir`` (falling back to a
     free loopback port when the path would be too long); ``port=0`` picks a
     free loopback port. ``persist`` turns on the append-only file.
+    ``detached`` starts the server in a session of its own, so that a Ctrl-C
+    in the starter's terminal or the starter's exit does not reach it (the
+    shared server of :mod:`sluice.testing.shared` outlives its starter); while
+    the starter lives, a thread of its reaps the server when it exits,
+    whoever stopped it.
     """
 
     def __init__(
@@ -131,6 +207,7 @@ class EmbeddedRedis:
         binary: RedisBinary | None = None,
         port: int | None = None,
         persist: bool = True,
+        detached: bool = False,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.binary = binary or find_binary()
@@ -138,6 +215,7 @@ class EmbeddedRedis:
         self.socket_path: Path | None = sock if port is None and len(str(sock)) <= _MAX_SOCKET_PATH else None
         self.port = 0 if self.socket_path is not None else (port or free_port())
         self.persist = persist
+        self.detached = detached
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -145,6 +223,14 @@ class EmbeddedRedis:
         if self.socket_path is not None:
             return f"unix://{self.socket_path}"
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def address(self) -> Address:
+        return str(self.socket_path) if self.socket_path is not None else ("127.0.0.1", self.port)
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
 
     def argv(self) -> list[str]:
         argv = [
@@ -162,7 +248,7 @@ class EmbeddedRedis:
             "--appendonly",
             "yes" if self.persist else "no",
             "--logfile",
-            str(self.data_dir / "redis.log"),
+            str(self.log_path),
             "--protected-mode",
             "yes",
         ]
@@ -170,63 +256,64 @@ class EmbeddedRedis:
             argv += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         return argv
 
-    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+    def start(self, timeout: float = 10.0, on_spawn: Callable[[int], None] | None = None) -> EmbeddedRedis:
+        """Start the server and return once it answers and has loaded its data.
+
+        ``on_spawn(pid)`` runs as soon as the process exists, before it
+        answers (the shared server records its pid there, so that a starter
+        killed during startup leaves a record the next command can follow).
+        """
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
-        self.process = subprocess.Popen(
-            self.argv(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        # Early errors (a bad option) go to stderr; once running, everything goes to the log.
+        with (self.data_dir / "redis.stderr").open("wb") as err:
+            self.process = subprocess.Popen(
+                self.argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=self.detached,
+            )
+        if on_spawn is not None:
+            on_spawn(self.process.pid)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = ""
-                if self.process.stderr is not None:
-                    err = self.process.stderr.read().decode(errors="replace")
-                    self.process.stderr.close()
-                log = self._log_tail()
                 raise ConfigurationError(
                     f"redis-server ({self.binary.path}) exited at start with code "
-                    f"{self.process.returncode}: {err or log}"
+                    f"{self.process.returncode}: {self._early_output()}"
                 )
-            if self._ping():
+            if probe(self.address) == self.process.pid:
+                if self.detached:
+                    self._reap_in_background(self.process)
                 return self
             time.sleep(0.02)
         self.stop()
-        raise ConfigurationError(
-            f"redis-server did not answer within {timeout}s; see {self.data_dir}/redis.log"
-        )
+        raise ConfigurationError(f"redis-server did not answer within {timeout}s; see {self.log_path}")
 
-    def _log_tail(self) -> str:
-        try:
-            return (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
+    @staticmethod
+    def _reap_in_background(process: subprocess.Popen[bytes]) -> None:
+        """Wait for the detached server in a thread, so it leaves no zombie while the starter lives.
 
-    def _ping(self) -> bool:
-        """True once *our* process answers (not another server on a reused port)
-        and has finished loading its data (commands fail with LOADING before)."""
-        family = socket.AF_UNIX if self.socket_path is not None else socket.AF_INET
-        address: str | tuple[str, int] = (
-            str(self.socket_path) if self.socket_path is not None else ("127.0.0.1", self.port)
-        )
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.settimeout(1.0)
-            try:
-                s.connect(address)
-                s.sendall(b"INFO server\r\nINFO persistence\r\n")
-                server, persistence = _read_bulk(s, 2)
-            except (OSError, ValueError):
-                return False
-        assert self.process is not None
-        return f"process_id:{self.process.pid}\r\n".encode() in server and b"loading:0\r\n" in persistence
+        Started only once the server answers: while a thread waits on the
+        process, ``poll()`` cannot see it exit and would call it running.
+        """
+        threading.Thread(target=process.wait, name="sluice-redis-reaper", daemon=True).start()
+
+    def _early_output(self) -> str:
+        out = []
+        for path in (self.data_dir / "redis.stderr", self.log_path):
+            with contextlib.suppress(OSError):
+                out.append(path.read_text(errors="replace").strip()[-2000:])
+        return "\n".join(o for o in out if o) or "(no output)"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the server (SIGTERM: it flushes the append-only file first)."""
         proc = self.process
+        self.process = None
         if proc is None or proc.poll() is not None:
-            self.process = None
             return
         proc.terminate()
         try:
@@ -234,17 +321,12 @@ class EmbeddedRedis:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-        if proc.stderr is not None:
-            proc.stderr.close()
-        self.process = None
 
     def kill(self) -> None:
         """SIGKILL the server (for chaos tests: no shutdown work happens)."""
         if self.process is not None:
             self.process.kill()
             self.process.wait(5)
-            if self.process.stderr is not None:
-                self.process.stderr.close()
             self.process = None
 
     def __enter__(self) -> EmbeddedRedis:
