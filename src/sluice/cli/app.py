@@ -1,35 +1,116 @@
-"""The ``sluice`` command line."""
+"""The ``sluice`` command line: the root group, its options and its commands."""
 
 from __future__ import annotations
 
-import typer
+import signal
+from typing import Annotated
 
-from sluice.cli import bench_cmd, budget_cmd, demo, goodput_cmd, jobs_cmd, lab_cmd, logs, worker_cmd
-from sluice.settings import Settings
+import typer
+from rich.markup import escape
+
+import sluice
+from sluice.cli import (
+    bench_cmd,
+    budget_cmd,
+    demo,
+    dlq_cmd,
+    enqueue_cmd,
+    flow_cmd,
+    goodput_cmd,
+    jobs_cmd,
+    lab_cmd,
+    logs,
+    redis_cmd,
+    worker_cmd,
+)
+from sluice.cli.errors import SluiceGroup
+from sluice.cli.parsing import SluiceCommand
+from sluice.settings import ENV_DEBUG, ENV_HOME, ENV_REDIS_URL, ENVIRONMENT, Settings
+
+#: Passed by :func:`main` as the root context's ``obj``: the CLI owns the process, so it routes
+#: logging to stderr. Under ``CliRunner`` (tests) the host's logging is left alone.
+STANDALONE = "sluice-standalone"
+
+
+def _environment_help() -> str:
+    rows = "\n\n".join(
+        f"[bold]{v.name}[/bold]: {escape(v.meaning)} [dim]\\[default: {escape(v.default)}][/dim]"
+        for v in ENVIRONMENT
+    )
+    return f"[bold]Environment variables[/bold]\n\n{rows}"
+
 
 app = typer.Typer(
     name="sluice",
+    cls=SluiceGroup,
     help=(
         "Sluice: a budget-aware distributed job queue for LLM workloads, on Redis.\n\n"
-        "Every command talks to the Redis in --redis or SLUICE_REDIS_URL; when neither is "
-        "set, it starts an embedded redis-server with its data in ./.sluice (SLUICE_HOME)."
+        f"Every command talks to the Redis of --redis or {ENV_REDIS_URL}. With neither, it uses the "
+        f"embedded Redis of {ENV_HOME} (./.sluice by default): started if none runs there, shared "
+        "with the other commands that use it, stopped when the last one exits.\n\n"
+        "Errors print one line saying what failed and how to fix it; --debug prints the traceback."
     ),
+    epilog=_environment_help(),
     no_args_is_help=True,
     rich_markup_mode="rich",
     pretty_exceptions_show_locals=False,
 )
-app.command("worker")(worker_cmd.worker)
-app.command("demo")(demo.demo)
-app.command("info")(jobs_cmd.info)
-app.command("enqueue")(jobs_cmd.enqueue)
-app.command("show")(jobs_cmd.show)
-app.add_typer(jobs_cmd.dlq_app, name="dlq")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"sluice {sluice.__version__}")
+        raise typer.Exit
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            help=f"Print an error's traceback, not one line (also after the command; or {ENV_DEBUG}=1).",
+        ),
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Check the environment first: a bad SLUICE_* variable is one error line, like any other."""
+    settings = Settings.from_env()
+    if ctx.obj == STANDALONE:
+        logs.configure(settings)
+
+
+for name, fn in (
+    ("info", jobs_cmd.info),
+    ("show", jobs_cmd.show),
+    ("enqueue", enqueue_cmd.enqueue),
+    ("worker", worker_cmd.worker),
+    ("demo", demo.demo),
+):
+    app.command(name, cls=SluiceCommand)(fn)
+app.add_typer(dlq_cmd.dlq_app, name="dlq")
 app.add_typer(budget_cmd.budget_app, name="budget")
-app.add_typer(budget_cmd.flow_app, name="flow")
+app.add_typer(flow_cmd.flow_app, name="flow")
+app.add_typer(redis_cmd.redis_app, name="redis")
 app.add_typer(bench_cmd.bench_app, name="bench")  # with `lab` and `goodput`, registered by their modules
 _ = lab_cmd, goodput_cmd
 
 
 def main() -> None:
-    logs.configure(Settings.from_env())
-    app()
+    """The ``sluice`` console script.
+
+    SIGTERM ends a command the way Ctrl-C does, by unwinding it, so that it
+    leaves the folder's shared Redis (stopping it if it was the last user)
+    rather than dying in place; ``sluice worker`` and ``sluice redis`` install
+    handlers of their own for a graceful stop.
+    """
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    app(prog_name="sluice", obj=STANDALONE)
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)

@@ -1,63 +1,138 @@
-"""Budgets and flow controls from the terminal: ``sluice budget ...`` and ``sluice flow ...``."""
+"""The token ledger from the terminal: ``sluice budget list | create | top-up | set-limit``."""
 
 from __future__ import annotations
 
-import datetime as dt
-from typing import Annotated, Any
+from dataclasses import asdict
+from typing import Annotated
 
 import typer
-from rich.table import Table
+from rich.console import RenderableType
 
-from sluice.cli.jobs_cmd import QueueOpt, RedisOpt, _with_queue, console
-from sluice.engine import BudgetState, FlowState, Queue
+from sluice.cli.errors import CliFailure
+from sluice.cli.options import (
+    JsonOpt,
+    PrefixOpt,
+    QueueOpt,
+    RedisOpt,
+    Target,
+    at_least,
+    budget_name,
+    parse_window,
+)
+from sluice.cli.output import plain_table, print_json, span, stdout, utc
+from sluice.cli.parsing import SluiceCommand
+from sluice.cli.runtime import with_queue
+from sluice.engine import BudgetState, Queue
 from sluice.engine.budgets import TOKEN_RATE_BUDGET
+from sluice.engine.clock import now_ms
+from sluice.engine.job import MAX_TOKENS
+from sluice.errors import BudgetError, BudgetNotFound
+from sluice.settings import DEFAULT_PREFIX, DEFAULT_QUEUE
 
 budget_app = typer.Typer(
     help="The token ledger of a queue: budgets with limits, windows and parents.", no_args_is_help=True
 )
-flow_app = typer.Typer(
-    help="Flow controls shared by every worker of a queue: concurrency, rates, pause, throttle.",
-    no_args_is_help=True,
-)
 
-
-def _when(ms: int | None) -> str:
-    if ms is None:
-        return "-"
-    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+NameArg = Annotated[str, typer.Argument(callback=budget_name, help="Budget name (A-Z a-z 0-9 _ . : -).")]
+LimitArg = Annotated[
+    int,
+    typer.Argument(
+        callback=at_least(0, f"the limit must be from 0 to {MAX_TOKENS:,} tokens", MAX_TOKENS),
+        help="Tokens it admits (per window, if it has one).",
+    ),
+]
+TokensArg = Annotated[
+    int,
+    typer.Argument(
+        callback=at_least(
+            1, "tokens must be 1 or more", advice="to lower a budget, use `sluice budget set-limit`"
+        ),
+        help="Tokens added to its limit.",
+    ),
+]
+WideOpt = Annotated[
+    bool, typer.Option("--wide", help="Also the parent and the counters (needs ~130 columns).")
+]
 
 
 def _window(b: BudgetState) -> str:
-    if b.window == "rolling":
-        return f"rolling {b.window_seconds:g} s"
-    return b.window or "none"
+    if b.window != "rolling" or b.window_seconds is None:
+        return b.window or "none"
+    seconds = b.window_seconds
+    for unit, size in (("d", 86_400), ("h", 3600), ("min", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"rolling {seconds / size:g} {unit}"
+    return f"rolling {seconds:g} s"
 
 
-def budget_table(budgets: list[BudgetState], title: str) -> Table:
-    table = Table(title=title)
-    for col in ("budget", "limit", "used", "remaining", "window", "parent", "accepted", "rejected"):
-        table.add_column(col, justify="left" if col in ("budget", "window", "parent") else "right")
-    table.add_column("unknown", justify="right")
-    table.add_column("parked", justify="right")
-    table.add_column("window turns / frees")
-    for b in budgets:
-        table.add_row(
-            b.name,
-            f"{b.limit:,}",
-            f"{b.used:,}",
-            f"{b.remaining:,}",
+def _tokens(n: int, exact: bool) -> str:
+    """1,234 / 98,765 / 1.23M / 499M: three figures for large counts, so the table fits 80 columns."""
+    if exact or n < 100_000:
+        return f"{n:,}"
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            value = n / size
+            return f"{value:.3g}{unit}" if value < 1000 else f"{value:.0f}{unit}"
+    return f"{n:,}"  # pragma: no cover - n >= 100,000 always has a unit
+
+
+def _until(ms: int | None, now: int) -> str:
+    return "-" if ms is None else span(max(ms - now, 0), compact=True)
+
+
+def _tree(budgets: list[BudgetState]) -> list[tuple[int, BudgetState]]:
+    """Budgets with their depth, each parent followed by its children (sorted by name)."""
+    names = {b.name for b in budgets}
+    children: dict[str | None, list[BudgetState]] = {}
+    for b in sorted(budgets, key=lambda b: b.name):
+        children.setdefault(b.parent if b.parent in names else None, []).append(b)
+    out: list[tuple[int, BudgetState]] = []
+
+    def walk(parent: str | None, depth: int) -> None:
+        for b in children.get(parent, []):
+            out.append((depth, b))
+            walk(b.name, depth + 1)
+
+    walk(None, 0)
+    return out
+
+
+def budget_table(budgets: list[BudgetState], title: str, *, wide: bool = False) -> RenderableType:
+    """Fits 80 columns: a child budget is indented under its parent, large counts are rounded
+    to three figures (1.23M); --wide gives exact counts, the parent and the counters."""
+    now = now_ms()
+    table = plain_table(title)
+    table.add_column("budget", overflow="fold", min_width=8)
+    for col in ("limit", "used", "remaining"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("window", no_wrap=True)
+    table.add_column("resets in" if not wide else "window turns / frees", no_wrap=True)
+    if wide:
+        table.add_column("parent")
+        for col in ("accepted", "rejected", "unknown", "parked"):
+            table.add_column(col, justify="right")
+    for depth, b in _tree(budgets):
+        row = [
+            ("  " * (depth - 1) + "└─" if depth else "") + b.name,
+            *(_tokens(n, wide) for n in (b.limit, b.used, b.remaining)),
             _window(b),
-            b.parent or "-",
-            f"{b.accepted:,}",
-            f"{b.rejected:,}",
-            f"{b.unknown_outcomes:,}",
-            f"{b.parked:,}",
-            _when(b.resets_at_ms),
-        )
+            utc(b.resets_at_ms, seconds_only=True) if wide else _until(b.resets_at_ms, now),
+        ]
+        if wide:
+            row.append(b.parent or "-")
+            row += [f"{n:,}" for n in (b.accepted, b.rejected, b.unknown_outcomes, b.parked)]
+        table.add_row(*row)
     return table
 
 
-async def _all_budgets(q: Queue) -> list[BudgetState]:
+def _print(budgets: list[BudgetState], title: str, as_json: bool, wide: bool = False) -> None:
+    if as_json:
+        print_json([asdict(b) for b in budgets])
+    else:
+        stdout().print(budget_table(budgets, title, wide=wide))
+
+
+async def all_budgets(q: Queue) -> list[BudgetState]:
     prefix = q.keys.budget_prefix
     names: list[str] = []
     async for key in q.redis.scan_iter(match=_glob(prefix) + "*", count=1000):
@@ -73,173 +148,109 @@ def _glob(text: str) -> str:
     return text
 
 
-@budget_app.command("list")
-def budget_list(queue: QueueOpt = "default", redis: RedisOpt = None) -> None:
-    """Every budget of the queue, as it stands now."""
-
-    async def go(q: Queue) -> None:
-        budgets = await _all_budgets(q)
-        if not budgets:
-            console.print(f"queue {q.name} has no budgets; create one with `sluice budget create`")
-            return
-        console.print(budget_table(budgets, f"budgets of queue {q.name}"))
-
-    _with_queue(redis, queue, go)
-
-
-@budget_app.command("create")
-def budget_create(
-    name: Annotated[str, typer.Argument(help="Budget name (A-Z a-z 0-9 _ . : -).")],
-    limit: Annotated[int, typer.Argument(help="Tokens it admits (per window, if it has one).")],
-    window: Annotated[
-        str | None,
-        typer.Option(help='"day" or "month" (UTC calendar), or a number of seconds (rolling).'),
-    ] = None,
-    parent: Annotated[str | None, typer.Option(help="A budget every reservation must also fit.")] = None,
-    queue: QueueOpt = "default",
+@budget_app.command("list", cls=SluiceCommand)
+def budget_list(
+    as_json: JsonOpt = False,
+    wide: WideOpt = False,
+    queue: QueueOpt = DEFAULT_QUEUE,
+    prefix: PrefixOpt = DEFAULT_PREFIX,
     redis: RedisOpt = None,
 ) -> None:
-    """Create a budget."""
-    win: str | float | None = window
-    if window is not None and window not in ("day", "month"):
+    """Every budget of the queue as it stands now: limit, use, window and when it resets."""
+    target = Target(queue, prefix, redis)
+    budgets = with_queue(target, all_budgets)
+    if not budgets and not as_json:
+        stdout().print(
+            f"{target.describe()} has no budgets; create one with `sluice budget create NAME LIMIT"
+            f"{target.flags()}`"
+        )
+        return
+    _print(budgets, f"budgets of {target.describe()}", as_json, wide)
+
+
+@budget_app.command("create", cls=SluiceCommand)
+def budget_create(
+    name: NameArg,
+    limit: LimitArg,
+    as_json: JsonOpt = False,
+    window: Annotated[
+        str | None,
+        typer.Option(
+            help='"day" or "month" (renews each UTC calendar day or month), or a number of seconds '
+            "(rolling: tokens charged longer ago no longer count). Default: no window (top it up).",
+            show_default=False,
+        ),
+    ] = None,
+    parent: Annotated[
+        str | None,
+        typer.Option(callback=budget_name, help="An existing budget every reservation must also fit."),
+    ] = None,
+    exist_ok: Annotated[
+        bool, typer.Option("--exist-ok", help="Succeed if it exists (its settings stay as they are).")
+    ] = False,
+    queue: QueueOpt = DEFAULT_QUEUE,
+    prefix: PrefixOpt = DEFAULT_PREFIX,
+    redis: RedisOpt = None,
+) -> None:
+    """Create a budget that jobs of the queue spend from (sluice enqueue --budget NAME)."""
+    target = Target(queue, prefix, redis)
+    win = parse_window(window)
+
+    async def create(q: Queue) -> BudgetState:
         try:
-            win = float(window)
-        except ValueError:
-            raise typer.BadParameter(
-                'use "day", "month" or a number of seconds', param_hint="--window"
-            ) from None
+            return await q.budgets.create(name, limit, window=win, parent=parent, exist_ok=exist_ok)
+        except BudgetNotFound as exc:
+            if exc.name != parent:
+                raise
+            raise CliFailure(
+                f"parent budget {parent!r} does not exist in {target.describe()}; create it first with "
+                f"`sluice budget create {parent} LIMIT{target.flags()}`"
+            ) from exc
 
-    async def go(q: Queue) -> None:
-        b = await q.budgets.create(name, limit, window=win, parent=parent)
-        console.print(budget_table([b], f"created in queue {q.name}"))
-
-    _with_queue(redis, queue, go)
+    _print([with_queue(target, create)], f"budget of {target.describe()}", as_json)
 
 
-@budget_app.command("top-up")
+@budget_app.command("top-up", cls=SluiceCommand)
 def budget_top_up(
-    name: Annotated[str, typer.Argument(help="Budget name.")],
-    tokens: Annotated[int, typer.Argument(help="Tokens added to its limit.")],
-    queue: QueueOpt = "default",
+    name: NameArg,
+    tokens: TokensArg,
+    as_json: JsonOpt = False,
+    queue: QueueOpt = DEFAULT_QUEUE,
+    prefix: PrefixOpt = DEFAULT_PREFIX,
     redis: RedisOpt = None,
 ) -> None:
     """Add tokens to a budget's limit; jobs parked on it try again at once."""
+    target = Target(queue, prefix, redis)
 
-    async def go(q: Queue) -> None:
-        await q.budgets.top_up(name, tokens)
-        console.print(budget_table([await q.budgets.get(name)], f"topped up in queue {q.name}"))
-
-    _with_queue(redis, queue, go)
-
-
-@budget_app.command("set-limit")
-def budget_set_limit(
-    name: Annotated[str, typer.Argument(help="Budget name.")],
-    limit: Annotated[int, typer.Argument(help="The new limit.")],
-    queue: QueueOpt = "default",
-    redis: RedisOpt = None,
-) -> None:
-    """Set a budget's limit (raising it lets parked jobs try again)."""
-
-    async def go(q: Queue) -> None:
-        await q.budgets.set_limit(name, limit)
-        console.print(budget_table([await q.budgets.get(name)], f"changed in queue {q.name}"))
-
-    _with_queue(redis, queue, go)
-
-
-def flow_table(f: FlowState, queue: str) -> Table:
-    table = Table(title=f"flow controls of queue {queue}")
-    table.add_column("control")
-    table.add_column("limit", justify="right")
-    table.add_column("now", justify="right")
-    table.add_row("paused", "yes" if f.paused else "no", "")
-    table.add_row("throttled until", _when(f.throttled_until_ms), "")
-    table.add_row("global concurrency", str(f.concurrency or "none"), f"{f.active} running")
-    rate = f"{f.rate_max} per {f.rate_per_seconds:g} s" if f.rate_max else "none"
-    table.add_row("request rate", rate, f"{f.starts_in_window} in window")
-    tokens = f"{f.token_limit:,} per {f.token_per_seconds:g} s" if f.token_limit else "none"
-    table.add_row("token rate", tokens, f"{f.tokens_in_window:,} in window")
-    return table
-
-
-@flow_app.command("show")
-def flow_show(queue: QueueOpt = "default", redis: RedisOpt = None) -> None:
-    """The queue's flow controls and how full their windows are."""
-
-    async def go(q: Queue) -> None:
-        console.print(flow_table(await q.flow(), q.name))
-
-    _with_queue(redis, queue, go)
-
-
-def _per(value: str, what: str) -> tuple[int, float] | None:
-    """'4/1' -> (4, 1.0); 'none' -> None."""
-    if value == "none":
-        return None
-    count, _, per = value.partition("/")
-    try:
-        return int(count), float(per or "1")
-    except ValueError:
-        raise typer.BadParameter('use N/SECONDS (e.g. 4/1) or "none"', param_hint=what) from None
-
-
-@flow_app.command("set")
-def flow_set(
-    concurrency: Annotated[str | None, typer.Option(help='Jobs at once over all workers, or "none".')] = None,
-    rate: Annotated[str | None, typer.Option(help='Starts per window: N/SECONDS, or "none".')] = None,
-    tokens: Annotated[
-        str | None, typer.Option(help='Estimated tokens per window: N/SECONDS, or "none".')
-    ] = None,
-    queue: QueueOpt = "default",
-    redis: RedisOpt = None,
-) -> None:
-    """Set or remove the shared limits (only those given change)."""
-    conc: Any = None
-    if concurrency is not None and concurrency != "none":
+    async def top_up(q: Queue) -> BudgetState:
         try:
-            conc = int(concurrency)
-        except ValueError:
-            raise typer.BadParameter('an integer or "none"', param_hint="--concurrency") from None
-    rate_v = _per(rate, "--rate") if rate is not None else None
-    tokens_v = _per(tokens, "--tokens") if tokens is not None else None
+            await q.budgets.top_up(name, tokens)
+        except BudgetError as exc:
+            if isinstance(exc, BudgetNotFound):
+                raise
+            raise CliFailure(
+                f"topping up {name!r} by {tokens:,} would take its limit past {MAX_TOKENS:,}; set the "
+                f"limit you want with `sluice budget set-limit {name} N{target.flags()}`"
+            ) from exc
+        return await q.budgets.get(name)
 
-    async def go(q: Queue) -> None:
-        if concurrency is not None:
-            await q.set_global_concurrency(conc)
-        if rate is not None:
-            await q.set_rate_limit(*rate_v) if rate_v else await q.set_rate_limit(None)
-        if tokens is not None:
-            await q.set_token_rate_limit(*tokens_v) if tokens_v else await q.set_token_rate_limit(None)
-        console.print(flow_table(await q.flow(), q.name))
-
-    _with_queue(redis, queue, go)
+    _print([with_queue(target, top_up)], f"budget of {target.describe()}", as_json)
 
 
-@flow_app.command("pause")
-def flow_pause(queue: QueueOpt = "default", redis: RedisOpt = None) -> None:
-    """Dispatch nothing until `sluice flow resume`; running jobs go on."""
-    _with_queue(redis, queue, lambda q: q.pause())
-    console.print(f"queue {queue} paused")
-
-
-@flow_app.command("resume")
-def flow_resume(queue: QueueOpt = "default", redis: RedisOpt = None) -> None:
-    """Dispatch again; idle workers wake at once."""
-    _with_queue(redis, queue, lambda q: q.resume())
-    console.print(f"queue {queue} resumed")
-
-
-@flow_app.command("throttle")
-def flow_throttle(
-    seconds: Annotated[
-        float, typer.Argument(min=0, max=86_400, help="Seconds to hold dispatch (0 lifts it).")
-    ],
-    queue: QueueOpt = "default",
+@budget_app.command("set-limit", cls=SluiceCommand)
+def budget_set_limit(
+    name: NameArg,
+    limit: LimitArg,
+    as_json: JsonOpt = False,
+    queue: QueueOpt = DEFAULT_QUEUE,
+    prefix: PrefixOpt = DEFAULT_PREFIX,
     redis: RedisOpt = None,
 ) -> None:
-    """Hold dispatch for some seconds, as a provider's 429 does."""
-    _with_queue(redis, queue, lambda q: q.throttle(seconds))
-    console.print(
-        f"queue {queue} throttled for {seconds:g} s" if seconds else f"queue {queue} throttle lifted"
-    )
+    """Set a budget's limit; raising it lets jobs parked on it try again."""
+    target = Target(queue, prefix, redis)
+
+    async def set_limit(q: Queue) -> BudgetState:
+        await q.budgets.set_limit(name, limit)
+        return await q.budgets.get(name)
+
+    _print([with_queue(target, set_limit)], f"budget of {target.describe()}", as_json)

@@ -1,204 +1,202 @@
-"""Looking at and changing jobs: ``info``, ``enqueue``, ``show`` and ``dlq``."""
+"""Looking at a queue and its jobs: ``sluice info`` and ``sluice show``."""
 
 from __future__ import annotations
 
-import datetime as dt
+from dataclasses import asdict
 from typing import Annotated, Any
 
-import orjson
 import typer
-from rich.console import Console
-from rich.table import Table
+from rich.console import Group, RenderableType
+from rich.markup import escape
+from rich.text import Text
 
-from sluice.cli.runtime import run
-from sluice.cli.server import ENV_URL, redis_url
-from sluice.engine import JobRecord, JobSpec, Queue
+from sluice.cli.errors import CliFailure, explain
+from sluice.cli.options import JsonOpt, PrefixOpt, QueueOpt, RedisOpt, Target
+from sluice.cli.output import (
+    fields_table,
+    json_text,
+    note,
+    plain_table,
+    print_json,
+    relative,
+    span,
+    stdout,
+    utc,
+)
+from sluice.cli.runtime import with_queue
+from sluice.engine import JobRecord, Queue, WorkerInfo
+from sluice.engine.admin import COUNTERS
 from sluice.engine.clock import now_ms
-from sluice.engine.connection import connect
-from sluice.errors import SluiceError
+from sluice.engine.keys import is_job_id
+from sluice.errors import JobNotFound
+from sluice.settings import DEFAULT_PREFIX, DEFAULT_QUEUE
 
-console = Console()
-err = Console(stderr=True)
-
-QueueOpt = Annotated[str, typer.Option("--queue", "-q", help="Queue name.")]
-RedisOpt = Annotated[str | None, typer.Option(help=f"Redis URL (default ${ENV_URL}, else embedded).")]
+LIVE = ("waiting", "delayed", "parked", "active", "dead")
 
 
-def _with_queue(redis: str | None, name: str, fn: Any) -> Any:
-    async def go(url: str) -> Any:
-        client = connect(url)
-        try:
-            return await fn(Queue(name, redis=client))
-        finally:
-            await client.aclose()
-
-    try:
-        with redis_url(redis, err) as url:
-            return run(go(url))
-    except SluiceError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
+def job_id_check(value: str) -> str:
+    """Typer callback: a job id (a positive decimal number)."""
+    if not is_job_id(value):
+        raise typer.BadParameter(f"{value!r} is not a job id (ids are numbers, e.g. 42)")
+    return value
 
 
-def info(queue: QueueOpt = "default", redis: RedisOpt = None) -> None:
-    """Counts of the queue's jobs per state, and its live workers."""
-
-    async def go(q: Queue) -> None:
-        counts = await q.counts()
-        workers: Any = await q.redis.hgetall(q.keys.workers)
-        table = Table(title=f"queue {q.name}")
-        table.add_column("count")
-        table.add_column("value", justify="right")
-        for key, value in counts.items():
-            table.add_row(key, f"{value:,}")
-        console.print(table)
-        if workers:
-            table = Table(title="workers (heartbeat every lease/3; crashed ones linger until cleared)")
-            for col in ("worker", "concurrency", "handlers", "last seen"):
-                table.add_column(col)
-            now = now_ms()
-            for wid, beat in sorted(workers.items()):
-                data = orjson.loads(beat)
-                age = (now - int(data.get("seen_ms", 0))) / 1000
-                table.add_row(
-                    wid.decode(),
-                    str(data.get("concurrency")),
-                    ", ".join(data.get("names", [])),
-                    f"{age:.0f} s ago",
-                )
-            console.print(table)
-
-    _with_queue(redis, queue, go)
+def job_ids(values: list[str] | None) -> list[str] | None:
+    """Typer callback for a list of job ids."""
+    return None if values is None else [job_id_check(v) for v in values]
 
 
-def enqueue(
-    name: Annotated[str, typer.Argument(help="Job (handler) name.")],
-    payload: Annotated[str, typer.Argument(help='Payload as JSON, e.g. \'{"text": "hi"}\'.')] = "null",
-    queue: QueueOpt = "default",
-    priority: Annotated[int, typer.Option(help="0 runs first.")] = 0,
-    delay: Annotated[float, typer.Option(help="Seconds before it may run.")] = 0.0,
-    max_attempts: Annotated[int, typer.Option(help="Tries before the dead-letter queue.")] = 3,
-    idempotency_key: Annotated[str | None, typer.Option(help="Adding the same key twice adds once.")] = None,
-    wait: Annotated[float | None, typer.Option(help="Wait this many seconds for the result.")] = None,
+JobIdArg = Annotated[
+    str, typer.Argument(callback=job_id_check, help="Job id (a number).", show_default=False)
+]
+
+
+def info(
+    as_json: JsonOpt = False,
+    queue: QueueOpt = DEFAULT_QUEUE,
+    prefix: PrefixOpt = DEFAULT_PREFIX,
     redis: RedisOpt = None,
 ) -> None:
-    """Add one job (and optionally wait for its result)."""
-    try:
-        data = orjson.loads(payload)
-    except orjson.JSONDecodeError as exc:
-        err.print(f"[red]error:[/red] payload is not valid JSON ({exc}); quote it for your shell")
-        raise typer.Exit(2) from None
+    """Jobs of the queue per state, its counters, and the workers that serve it."""
+    target = Target(queue, prefix, redis)
 
-    async def go(q: Queue) -> None:
-        spec = JobSpec(
-            name,
-            data,
-            priority=priority,
-            delay=delay,
-            max_attempts=max_attempts,
-            idempotency_key=idempotency_key,
+    async def fetch(q: Queue) -> tuple[dict[str, int], list[WorkerInfo]]:
+        return await q.counts(), await q.workers()
+
+    counts, workers = with_queue(target, fetch)
+    if not any(counts.values()) and not workers:
+        note(
+            f"{target.describe()} has no jobs and no workers: it is new, or the queue you mean has "
+            "another --queue or --prefix"
         )
-        job = (await q.add_bulk([spec]))[0]
-        console.print(f"job {job.id} {'added' if job.created else 'already existed (idempotency key)'}")
-        if wait is not None:
-            console.print_json(orjson.dumps(await job.result(timeout=wait)).decode())
-
-    _with_queue(redis, queue, go)
-
-
-def _time(ms: int | None) -> str:
-    if ms is None:
-        return "-"
-    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
-
-
-def _record_table(record: JobRecord) -> Table:
-    table = Table(title=f"job {record.id}", show_header=False)
-    table.add_column("field")
-    table.add_column("value", overflow="fold")
-    for key, value in record.to_dict().items():
-        text = (
-            _time(value)
-            if key.endswith("_ms")
-            else (orjson.dumps(value).decode() if key in ("payload", "result") else str(value))
+    if as_json:
+        print_json(
+            {"queue": queue, "prefix": prefix, "counts": counts, "workers": [asdict(w) for w in workers]}
         )
-        table.add_row(key, text)
+        return
+    console = stdout()
+    console.print(_counts_table(counts, target))
+    if workers:
+        console.print(_workers_table(workers, now_ms()))
+    else:
+        console.print("no worker has served this queue yet; start one with `sluice worker module:worker`")
+
+
+def _counts_table(counts: dict[str, int], target: Target) -> RenderableType:
+    table = plain_table(target.describe())
+    for col in ("jobs now", "", "since the queue began", ""):
+        table.add_column(col, justify="right" if not col else "left")
+    totals = [*COUNTERS, "dead_total"]
+    for i, counter in enumerate(totals):
+        live = LIVE[i] if i < len(LIVE) else ""
+        table.add_row(
+            live, f"{counts[live]:,}" if live else "", counter.replace("_", " "), f"{counts[counter]:,}"
+        )
+    return table
+
+
+def _workers_table(workers: list[WorkerInfo], now: int) -> RenderableType:
+    table = plain_table("workers")
+    table.caption = "last seen: their heartbeat, every lease/3; a stopped worker lingers with an old one"
+    for col in ("worker", "concurrency", "handlers", "last seen"):
+        table.add_column(col, overflow="fold")
+    for w in workers:
+        table.add_row(
+            escape(w.id),
+            str(w.concurrency or "?"),
+            escape(", ".join(w.names)),
+            relative(w.seen_ms, now),
+        )
     return table
 
 
 def show(
-    job_id: Annotated[str, typer.Argument(help="Job id.")],
-    queue: QueueOpt = "default",
+    job_id: JobIdArg,
+    as_json: JsonOpt = False,
+    queue: QueueOpt = DEFAULT_QUEUE,
+    prefix: PrefixOpt = DEFAULT_PREFIX,
     redis: RedisOpt = None,
 ) -> None:
-    """Everything stored about one job."""
-
-    async def go(q: Queue) -> None:
-        record = await q.get_job(job_id)
-        if record is None:
-            err.print(f"no job {job_id} in queue {q.name} (never existed, or expired)")
-            raise typer.Exit(1)
-        console.print(_record_table(record))
-
-    _with_queue(redis, queue, go)
+    """Everything stored about one job: its state, times, payload, result and full error."""
+    print_record(fetch_record(job_id, Target(queue, prefix, redis)), as_json)
 
 
-dlq_app = typer.Typer(help="The dead-letter queue: jobs that failed for good.", no_args_is_help=True)
+def fetch_record(job_id: str, target: Target) -> JobRecord:
+    async def fetch(q: Queue) -> JobRecord | None:
+        return await q.get_job(job_id)
+
+    record = with_queue(target, fetch)
+    if record is None:
+        raise CliFailure(explain(JobNotFound(job_id), target))
+    return record
 
 
-@dlq_app.command("list")
-def dlq_list(queue: QueueOpt = "default", limit: int = 50, redis: RedisOpt = None) -> None:
-    """Dead jobs, oldest first, with their last error."""
-
-    async def go(q: Queue) -> None:
-        table = Table(title=f"dead-letter queue of {q.name}")
-        for col in ("id", "name", "attempts", "died", "error"):
-            table.add_column(col, overflow="fold")
-        for r in await q.dead_letters(limit=limit):
-            table.add_row(
-                r.id,
-                r.name,
-                str(r.attempt),
-                _time(r.finished_ms),
-                (r.error or "").splitlines()[0] if r.error else "",
-            )
-        console.print(table)
-
-    _with_queue(redis, queue, go)
+def print_record(record: JobRecord, as_json: bool) -> None:
+    """The record as JSON (``*_ms`` epoch fields, for programs) or as a readable page."""
+    if as_json:
+        print_json(record_json(record))
+    else:
+        stdout().print(record_view(record, now_ms()))
 
 
-@dlq_app.command("show")
-def dlq_show(job_id: str, queue: QueueOpt = "default", redis: RedisOpt = None) -> None:
-    """One dead job, with its full error and traceback."""
-    show(job_id, queue, redis)
+def record_json(r: JobRecord) -> dict[str, Any]:
+    """The library's JSON view of a record, with the settings it leaves out."""
+    extra = {"timeout": r.timeout, "max_stalls": r.max_stalls, "cancel_requested": r.cancel_requested}
+    return r.to_dict() | extra
 
 
-@dlq_app.command("redrive")
-def dlq_redrive(
-    job_ids: Annotated[list[str] | None, typer.Argument(help="Ids to redrive (default: all).")] = None,
-    queue: QueueOpt = "default",
-    redis: RedisOpt = None,
-) -> None:
-    """Move dead jobs back to waiting with fresh attempts."""
+def record_view(r: JobRecord, now: int) -> RenderableType:
+    table = fields_table(f"job {r.id} ({escape(r.name)})")
+    state = r.state.value + (" (cancel requested)" if r.cancel_requested else "")
+    if r.started_ms is None and not r.state.finished:
+        state += f", for {span(now - r.created_ms)}"
+    table.add_row("state", state)
+    table.add_row("priority", str(r.priority))
+    stalls = f"{r.stalls} stalled of at most {r.max_stalls}"
+    table.add_row("attempts", f"{r.attempt} of {r.max_attempts} ({r.failures} failed, {stalls})")
+    table.add_row("timeout", f"{r.timeout:g} s per attempt" if r.timeout else "the worker's")
+    for label, value in _times(r, now):
+        table.add_row(label, value)
+    if r.worker:
+        table.add_row("worker", escape(r.worker))
+    for label, value in _ledger(r):
+        table.add_row(label, value)
+    if r.idempotency_key is not None:
+        table.add_row("idempotency key", escape(r.idempotency_key))
+    table.add_row("payload", escape(json_text(r.payload)))
+    if r.result is not None or r.state == "completed":
+        table.add_row("result", escape(json_text(r.result)))
+    if not r.error:
+        return table
+    return Group(table, Text("\nerror:", style="bold red"), Text(r.error.rstrip()))
 
-    async def go(q: Queue) -> None:
-        console.print(f"redrove {await q.redrive(job_ids or None)} job(s)")
 
-    _with_queue(redis, queue, go)
+def _times(r: JobRecord, now: int) -> list[tuple[str, str]]:
+    rows = [("created", utc(r.created_ms))]
+    if r.due_ms is not None:
+        rows.append(("due", f"{utc(r.due_ms)} ({relative(r.due_ms, now)})"))
+    if r.started_ms is not None:
+        ready = (
+            r.due_ms if r.due_ms is not None and r.created_ms <= r.due_ms <= r.started_ms else r.created_ms
+        )
+        rows.append(("started", f"{utc(r.started_ms)} (waited {span(r.started_ms - ready)})"))
+        if r.finished_ms is None and r.state == "active":
+            rows.append(("running", f"for {span(now - r.started_ms)}"))
+    if r.finished_ms is not None:
+        ran = f" (ran {span(r.finished_ms - r.started_ms)})" if r.started_ms is not None else ""
+        rows.append(("finished", utc(r.finished_ms) + ran))
+    return rows
 
 
-@dlq_app.command("purge")
-def dlq_purge(
-    job_ids: Annotated[list[str] | None, typer.Argument(help="Ids to delete (default: all).")] = None,
-    queue: QueueOpt = "default",
-    yes: Annotated[bool, typer.Option("--yes", help="Do not ask before deleting all.")] = False,
-    redis: RedisOpt = None,
-) -> None:
-    """Delete dead jobs for good."""
-    if not job_ids and not yes:
-        typer.confirm(f"Delete every dead job of queue {queue}?", abort=True)
-
-    async def go(q: Queue) -> None:
-        console.print(f"purged {await q.purge_dead(job_ids or None)} job(s)")
-
-    _with_queue(redis, queue, go)
+def _ledger(r: JobRecord) -> list[tuple[str, str]]:
+    if not r.tokens and r.budget is None:
+        return []
+    used = f", {r.usage:,} reported used" if r.usage is not None else ""
+    rows = [("tokens", f"{r.tokens:,} estimated{used}")]
+    if r.budget is not None:
+        rows.append(("budget", f"{r.budget} (when it is full: {r.on_exhausted})"))
+    if r.parked_on is not None:
+        rows.append(("parked on", f"budget {r.parked_on}, until it has room"))
+    if r.reservation is not None:
+        rows.append(("reservation", r.reservation))
+    return rows

@@ -1,61 +1,58 @@
-"""Which Redis a CLI command talks to: --redis, SLUICE_REDIS_URL, or an embedded one.
+"""Which Redis a CLI command talks to: --redis, SLUICE_REDIS_URL, or the folder's shared one.
 
-The embedded server keeps its data and socket in ``$SLUICE_HOME`` (default
-``./.sluice``). A command that finds one already running there (started by
-another sluice command) shares it; otherwise it starts one and stops it on exit.
+With neither, a command uses the shared embedded server of ``$SLUICE_HOME``
+(default ``./.sluice``; see :mod:`sluice.testing.shared`): it starts one if
+none runs, and on exit stops it only if no other command still uses it, so
+stopping one worker never strands the others. ``sluice redis`` keeps one
+running in the foreground and prints its URL for programs outside the CLI.
 """
 
 from __future__ import annotations
 
-import os
-import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
-from sluice.settings import Settings
-from sluice.testing.embedded import EmbeddedRedis, find_binary
+from sluice.settings import ENV_REDIS_URL, Settings
+from sluice.testing.shared import SharedRedis
 
-ENV_URL = "SLUICE_REDIS_URL"
-ENV_HOME = "SLUICE_HOME"
-
-
-def home() -> Path:
-    return Path(os.environ.get(ENV_HOME, ".sluice")).resolve()
+ENV_URL = ENV_REDIS_URL
 
 
-def _alive(sock: Path) -> bool:
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(1.0)
-            s.connect(str(sock))
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
+def command_label() -> str:
+    """``sluice worker``, ``sluice info``...: how ``sluice redis status`` names a user.
+
+    The first word of the command line that is not an option: the command's
+    name, never its arguments (a payload may be private).
+    """
+    words = [arg for arg in sys.argv[1:] if not arg.startswith("-")]
+    return f"sluice {words[0]}" if words else "sluice"
 
 
 @contextmanager
 def redis_url(explicit: str | None, console: Console | None = None) -> Iterator[str]:
-    """Yield the URL to use, starting (and later stopping) an embedded Redis if needed."""
-    url = explicit or os.environ.get(ENV_URL)
+    """Yield the URL to use; with no --redis and no SLUICE_REDIS_URL, the folder's shared Redis.
+
+    Attaches to it for the block (starting it if none runs) and detaches
+    after: the server stops only when no other command uses it.
+    """
+    settings = Settings.from_env()
+    url = explicit or settings.redis_url
     if url:
         yield url
         return
-    data = home() / "redis"
-    server = EmbeddedRedis(data, binary=find_binary(Settings.from_env().redis_server))
-    if server.socket_path is not None and _alive(server.socket_path):
-        yield server.url
-        return
-    server.start()
-    if console is not None:
-        console.print(
-            f"[dim]embedded Redis {server.binary.version} ({server.binary.origin}) at {server.url}, "
-            f"data in {data}; set {ENV_URL} to use your own[/dim]"
-        )
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    shared = SharedRedis(settings.home, binary=settings.redis_server, label=command_label())
+    with shared as url:
+        record = shared.record
+        if shared.started and console is not None and record is not None:
+            console.print(
+                escape(
+                    f"started the embedded Redis {record.version} at {url}; it stops when the last "
+                    "command using it exits (`sluice redis` keeps it up)"
+                ),
+                style="dim",
+            )
+        yield url

@@ -7,18 +7,22 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from typing import Annotated
 
 import structlog
 import typer
-from rich.console import Console
 
+from sluice.cli.errors import debug_flag
+from sluice.cli.options import CONNECTION, RedisOpt, at_least, checked_name
+from sluice.cli.output import stderr
 from sluice.cli.runtime import run
-from sluice.cli.server import ENV_URL, redis_url
+from sluice.cli.server import redis_url
 from sluice.engine.worker import Worker
 from sluice.errors import ConfigurationError
+from sluice.settings import ENV_REDIS_URL
 
-console = Console(stderr=True)
+SETTINGS = "Worker settings (default: as the Worker object in your code sets them)"
 
 
 def load_worker(target: str) -> Worker:
@@ -34,6 +38,11 @@ def load_worker(target: str) -> Worker:
         raise ConfigurationError(
             f"cannot import {module_name!r} ({exc}); run from your project folder or install it"
         ) from exc
+    except Exception as exc:
+        # The user's module failed at import: say so, rather than "internal error".
+        raise ConfigurationError(
+            f"importing {module_name!r} raised {type(exc).__name__}: {exc} (--debug shows the traceback)"
+        ) from exc
     obj = getattr(module, attr, None)
     if not isinstance(obj, Worker):
         raise ConfigurationError(f"{target} is {type(obj).__name__}, not a sluice.Worker")
@@ -41,61 +50,152 @@ def load_worker(target: str) -> Worker:
 
 
 def worker(
-    target: Annotated[str, typer.Argument(help="Your Worker object, as package.module:attribute.")],
+    ctx: typer.Context,
+    target: Annotated[
+        str, typer.Argument(help="Your Worker object, as package.module:attribute (e.g. app.tasks:worker).")
+    ],
     concurrency: Annotated[
-        int | None, typer.Option("--concurrency", "-c", min=1, help="Jobs at once per process.")
+        int | None,
+        typer.Option(
+            "--concurrency", "-c", min=1, help="Jobs at once per process.", rich_help_panel=SETTINGS
+        ),
     ] = None,
-    processes: Annotated[int, typer.Option("--processes", "-p", min=1, help="Worker processes.")] = 1,
-    queue: Annotated[str | None, typer.Option(help="Serve this queue instead of the Worker's.")] = None,
-    worker_id: Annotated[str | None, typer.Option(help="Name of this worker (default host:pid).")] = None,
-    redis: Annotated[str | None, typer.Option(help=f"Redis URL (default ${ENV_URL}, else embedded).")] = None,
+    processes: Annotated[
+        int, typer.Option("--processes", "-p", min=1, max=256, help="Worker processes to run.")
+    ] = 1,
+    lease: Annotated[
+        float | None,
+        typer.Option(
+            callback=at_least(0.1, "the lease must be at least 0.1 seconds"),
+            help="Seconds a job stays leased without renewal (renewed every third of it); a dead "
+            "worker's jobs run again after it. At least 0.1.",
+            rich_help_panel=SETTINGS,
+        ),
+    ] = None,
+    shutdown_grace: Annotated[
+        float | None,
+        typer.Option(
+            callback=at_least(0.001, "the shutdown grace must be more than 0 seconds"),
+            help="Seconds running jobs get to finish after SIGTERM/Ctrl-C before they go back to waiting.",
+            rich_help_panel=SETTINGS,
+        ),
+    ] = None,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            callback=at_least(0.001, "the timeout must be more than 0 seconds"),
+            help="Seconds one attempt may run, for jobs that set none.",
+            rich_help_panel=SETTINGS,
+        ),
+    ] = None,
+    worker_id: Annotated[
+        str | None,
+        typer.Option(
+            help="Name of this worker (default host:pid:random; -1, -2... per process).",
+            rich_help_panel=SETTINGS,
+        ),
+    ] = None,
+    queue: Annotated[
+        str | None,
+        typer.Option(
+            "--queue",
+            "-q",
+            callback=checked_name("queue name"),
+            help="Serve this queue instead of the Worker's.",
+            rich_help_panel=CONNECTION,
+        ),
+    ] = None,
+    prefix: Annotated[
+        str | None,
+        typer.Option(
+            callback=checked_name("key prefix"),
+            help="Key prefix of the queue, instead of the Worker's.",
+            rich_help_panel=CONNECTION,
+        ),
+    ] = None,
+    redis: RedisOpt = None,
 ) -> None:
     """Run a Worker: take jobs, run their handlers, report outcomes.
 
     SIGTERM or Ctrl-C stops taking jobs and lets running ones finish within the
-    worker's shutdown_grace; a second signal releases them back to waiting.
+    shutdown grace; a second signal releases them back to waiting at once.
+    With --processes N, this process supervises N worker processes and passes
+    signals on to them.
     """
+    # Stopped before it serves: nothing runs yet, so that is a clean stop (exit 0), which is
+    # what a service manager stopping a unit that is still starting should see.
+    signal.signal(signal.SIGTERM, _stopped_before_start)
     try:
         w = load_worker(target)
     except ConfigurationError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
-    if concurrency is not None:
-        w.concurrency = concurrency
-    if queue is not None:
-        w.queue_name = queue
-    with redis_url(redis, console) as url:
-        if processes == 1:
-            if worker_id is not None:
-                w.worker_id = worker_id
-            structlog.get_logger("sluice.cli").info("worker process", pid=os.getpid(), target=target)
-            run(w.run(url))
-            return
-        raise typer.Exit(_supervise(target, processes, url, concurrency, queue, worker_id))
+        raise typer.BadParameter(str(exc), param_hint="TARGET") from exc
+    settings = {
+        "--concurrency": concurrency,
+        "--lease": lease,
+        "--shutdown-grace": shutdown_grace,
+        "--timeout": timeout,
+        "--queue": queue,
+        "--prefix": prefix,
+    }
+    # Checked here, in the supervisor too, so that a bad value fails once, not in every child.
+    w.configure(
+        queue=queue,
+        prefix=prefix,
+        concurrency=concurrency,
+        lease=lease,
+        shutdown_grace=shutdown_grace,
+        timeout=timeout,
+    )
+    with redis_url(redis, stderr()) as url:
+        if processes > 1:
+            raise typer.Exit(_supervise(target, processes, url, settings, worker_id, debug_flag(ctx)))
+        if worker_id is not None:
+            w.configure(worker_id=worker_id)
+        structlog.get_logger("sluice.cli").info(
+            "worker process",
+            pid=os.getpid(),
+            target=target,
+            queue=w.queue_name,
+            prefix=w.prefix,
+            worker_id=w.worker_id,
+        )
+        run(w.run(url))
 
 
 def _supervise(
-    target: str, processes: int, url: str, concurrency: int | None, queue: str | None, worker_id: str | None
+    target: str, processes: int, url: str, settings: Mapping[str, object], worker_id: str | None, debug: bool
 ) -> int:
-    """Start N single-process workers and pass signals on to them."""
+    """Start N single-process workers with the same settings and pass signals on to them."""
     children: list[subprocess.Popen[bytes]] = []
-    for i in range(processes):
-        argv = [sys.executable, "-m", "sluice", "worker", target, "--processes", "1", "--redis", url]
-        if concurrency is not None:
-            argv += ["--concurrency", str(concurrency)]
-        if queue is not None:
-            argv += ["--queue", queue]
-        if worker_id is not None:
-            argv += ["--worker-id", f"{worker_id}-{i + 1}"]
-        # A session of their own: a Ctrl-C reaches them once, through forward(), not twice.
-        children.append(subprocess.Popen(argv, start_new_session=True))  # noqa: S603 - our own CLI
+
+    forwarded: set[int] = set()
 
     def forward(signum: int, _frame: object) -> None:
+        forwarded.add(signum)
         for child in children:
             if child.poll() is None:
                 child.send_signal(signum)
 
+    # Before the first child starts: a signal in between must reach the children, not end us.
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    # The URL goes in the environment, not on the command line, where `ps` would show its password.
+    env = {**os.environ, ENV_REDIS_URL: url}
+    for i in range(processes):
+        argv = [sys.executable, "-m", "sluice", *(["--debug"] if debug else []), "worker", target]
+        for option, value in settings.items():
+            if value is not None:
+                argv += [option, str(value)]
+        if worker_id is not None:
+            argv += ["--worker-id", f"{worker_id}-{i + 1}"]
+        # A session of their own: a Ctrl-C reaches them once, through forward(), not twice.
+        children.append(subprocess.Popen(argv, env=env, start_new_session=True))  # noqa: S603 - our own CLI
     codes = [child.wait() for child in children]
-    return max(codes, default=0)
+    # A child that the signal we passed on ended while it was still starting (killed by it,
+    # or exiting 128 + its number) stopped as asked; any other signal or code is a failure.
+    stopped = {-s for s in forwarded} | {128 + s for s in forwarded}
+    return max((0 if code in stopped else 128 - code if code < 0 else code for code in codes), default=0)
+
+
+def _stopped_before_start(signum: int, _frame: object) -> None:
+    raise SystemExit(0)

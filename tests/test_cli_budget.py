@@ -1,0 +1,99 @@
+"""``sluice budget`` and ``sluice flow``: they change the queue, fit 80 columns, take negative numbers."""
+
+from __future__ import annotations
+
+import json
+
+from redis.asyncio import Redis
+
+from sluice import Queue
+from tests.test_cli import invoke
+
+
+async def test_budget_and_flow_commands_change_the_queue(redis: Redis, redis_url: str, prefix: str) -> None:
+    q = Queue("ledger", redis=redis, prefix=prefix)
+    where = ["--queue", "ledger", "--prefix", prefix, "--redis", redis_url]
+    await invoke("budget", "create", "team", "1000", "--window", "month", *where)
+    await invoke("budget", "create", "tenant", "200", "--window", "3600", "--parent", "team", *where)
+    await invoke("budget", "create", "tenant", "5", "--exist-ok", *where)
+    out = (await invoke("budget", "top-up", "tenant", "50", *where)).stdout
+    assert "250" in out
+    tenant = await q.budgets.get("tenant")
+    assert (tenant.limit, tenant.window, tenant.window_seconds, tenant.parent) == (
+        250,
+        "rolling",
+        3600,
+        "team",
+    )
+    await invoke("budget", "set-limit", "team", "900", *where)
+    assert (await q.budgets.get("team")).limit == 900
+    out = (await invoke("budget", "list", *where)).stdout
+    assert "team" in out and "└─tenant" in out and "rolling 1 h" in out and "month" in out
+    assert out.index("team") < out.index("└─tenant")
+    bad = await invoke("budget", "create", "x", "1", "--window", "fortnight", *where, code=2)
+    assert '"day" or "month"' in bad.output
+    # flow: set limits, pause, throttle, resume, remove a limit
+    await invoke("flow", "set", "--concurrency", "4", "--rate", "4/1", "--tokens", "9000/60", *where)
+    await invoke("flow", "pause", *where)
+    await invoke("flow", "throttle", "30", *where)
+    f = await q.flow()
+    assert (f.concurrency, f.rate_max, f.rate_per_seconds, f.token_limit, f.paused) == (4, 4, 1.0, 9000, True)
+    assert f.throttled_until_ms is not None
+    await invoke("flow", "resume", *where)
+    await invoke("flow", "throttle", "0", *where)
+    out = (await invoke("flow", "set", "--rate", "none", *where)).stdout
+    f = await q.flow()
+    assert (f.paused, f.throttled_until_ms, f.rate_max, f.concurrency) == (False, None, None, 4)
+    assert "request rate        none" in out
+    nothing = await invoke("flow", "set", *where, code=2)
+    assert "give --concurrency, --rate or --tokens" in nothing.output
+
+
+async def test_budget_list_fits_80_columns(redis: Redis, redis_url: str, prefix: str) -> None:
+    q = Queue("narrow", redis=redis, prefix=prefix)
+    await q.budgets.create("engineering", 500_000_000, window="month")
+    await q.budgets.create("search-team", 120_000_000, window=86_400, parent="engineering")
+    await q.budgets.create("tenant.acme-corp", 2_500_000, window="day", parent="search-team")
+    await q.budgets.reserve("tenant.acme-corp", 1_234_567, "r1")
+    where = ["--queue", "narrow", "--prefix", prefix, "--redis", redis_url]
+    out = (await invoke("budget", "list", *where, env={"COLUMNS": "80"})).stdout
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80, out
+    header = next(line for line in lines if "remaining" in line)
+    assert header.split() == ["budget", "limit", "used", "remaining", "window", "resets", "in"]
+    acme = next(line for line in lines if "tenant.acme-corp" in line)
+    assert acme.split()[1:5] == ["2.5M", "1.23M", "1.27M", "day"], acme
+    assert "└─search-team" in out and "rolling 1 d" in out and "accepted" not in out
+    wide = (await invoke("budget", "list", "--wide", *where, env={"COLUMNS": "160"})).stdout
+    assert "accepted" in wide and "parked" in wide and "UTC" in wide and "1,265,433" in wide
+    data = json.loads((await invoke("budget", "list", "--json", *where)).stdout)
+    assert [(b["name"], b["used"], b["parent"]) for b in data] == [
+        ("engineering", 1_234_567, None),
+        ("search-team", 1_234_567, "engineering"),
+        ("tenant.acme-corp", 1_234_567, "search-team"),
+    ]
+
+
+async def test_negative_numbers_reach_the_command(redis: Redis, redis_url: str, prefix: str) -> None:
+    q = Queue("neg", redis=redis, prefix=prefix)
+    await q.budgets.create("plain", 100)
+    where = ["--queue", "neg", "--prefix", prefix, "--redis", redis_url]
+    top_up = (await invoke("budget", "top-up", "plain", "-100", *where, code=2)).output
+    assert "tokens must be 1 or more, got -100" in top_up and "sluice budget set-limit" in top_up
+    for args, said in (
+        (["budget", "set-limit", "plain", "-5"], "the limit must be from 0 to"),
+        (["budget", "create", "neg", "-1.5"], "'limit'"),
+        (["flow", "throttle", "-2"], "seconds must be from 0 to 86400 (0 lifts the throttle), got -2"),
+        (["flow", "set", "--concurrency", "-1"], "use a whole number of 1 or more"),
+        (["enqueue", "x", "--priority", "-3"], "--priority"),
+    ):
+        out = (await invoke(*args, *where, code=2)).output
+        assert said in out and "No such option" not in out, out
+    assert (await q.budgets.get("plain")).limit == 100
+    # Options are still options, and a payload may be a negative number.
+    assert (
+        "No such option: --bogus"
+        in (await invoke("budget", "top-up", "plain", "5", "--bogus", *where, code=2)).output
+    )
+    await invoke("enqueue", "x", "-7", "--any-name", *where)
+    assert (await q.get_job("1")).payload == -7  # type: ignore[union-attr]
