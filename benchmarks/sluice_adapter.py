@@ -36,7 +36,7 @@ async def noop(job: JobContext) -> int:
 
 
 class SluiceAdapter(Adapter):
-    dists = ("sluice", "redis", "hiredis", "uvloop")
+    dists = ("sluice-queue", "redis", "hiredis", "uvloop")
     default_concurrency = 10
     worker_config = "1 `sluice worker` process (uvloop), concurrency={c}; idle wait: BZPOPMIN on a wake key"
     result_config = "records kept 1 day; latency: job.result() (events stream, XREAD BLOCK, no polling)"

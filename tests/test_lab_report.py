@@ -223,7 +223,7 @@ def test_write_report_is_one_portable_file(tmp_path: Path) -> None:
     for mode in ("naive", "atomic", "admission"):
         assert f"<h3>{mode}</h3>" in page
     assert "<style>" in page and "<link" not in page and 'src="http' not in page
-    assert "sluice[lab]" not in page  # charts are there, so no install hint
+    assert "sluice-queue[lab]" not in page  # charts are there, so no install hint
 
 
 def test_write_report_escapes_what_it_is_given(tmp_path: Path) -> None:
@@ -257,7 +257,7 @@ def test_write_report_without_matplotlib(tmp_path: Path, monkeypatch: pytest.Mon
 
     # Then: the tables are all there, with the way to get the charts
     assert "data:image/png" not in page and "<img" not in page
-    assert html.escape("pip install 'sluice[lab]'") in page
+    assert html.escape("pip install 'sluice-queue[lab]'") in page
     for mode in ("naive", "atomic", "admission"):
         assert f"<h3>{mode}</h3>" in page
     assert "queue wait p95 ms" in page

@@ -51,7 +51,7 @@ from sluice.errors import (
 )
 
 try:
-    __version__ = importlib.metadata.version("sluice")
+    __version__ = importlib.metadata.version("sluice-queue")
 except importlib.metadata.PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 

@@ -1,6 +1,6 @@
 """Optional parts of Sluice, and the extra that brings each.
 
-``pip install sluice`` brings the engine and the command line. The rest is
+``pip install sluice-queue`` brings the engine and the command line. The rest is
 behind extras (pyproject.toml): a part that needs one calls :func:`require`
 before it imports anything optional, so a missing package is a
 :class:`~sluice.errors.MissingExtra` that names the extra to install, not an

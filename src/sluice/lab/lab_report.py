@@ -8,7 +8,7 @@ always show the same figures.
 
 The report is one self-contained file (inline CSS, charts as base64 PNG data
 URIs), so it can be attached to an issue or mailed as it is. The charts need
-matplotlib, an optional extra (``sluice[lab]``): without it the report keeps
+matplotlib, an optional extra (``sluice-queue[lab]``): without it the report keeps
 its tables and says how to get the charts. Charts are drawn on a bare
 ``matplotlib.figure.Figure``, never through pyplot, so rendering selects no
 GUI backend and leaves no global figure state behind.
@@ -546,7 +546,7 @@ def _mode_html(result: Result, chart: str | None) -> str:
     return "<section>" + "".join(parts) + "</section>"
 
 
-_INSTALL_HINT = "pip install 'sluice[lab]'"
+_INSTALL_HINT = "pip install 'sluice-queue[lab]'"
 
 
 def _report_html(results: Sequence[Result], charts: Sequence[str] | None) -> str:

@@ -1,0 +1,173 @@
+"""docs/using.md runs as written: its library snippet, its systemd unit and its Dockerfile.
+
+The unit and the Dockerfile cannot be given to systemd or Docker here, so the
+test does what they would: it reads the unit's ExecStart, Environment and
+stop settings (and the Dockerfile's CMD, ENV and STOPSIGNAL), starts that very
+command line against a test Redis with an application module like the one
+the page assumes, and stops it the way systemd (KillMode=mixed: the signal
+to the main process only) and Docker (to PID 1) do. The workers must finish
+the job they are running and exit 0 within the stop timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import configparser
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from sluice import JobState, Queue
+from tests.proc_harness import REPO
+
+DOC = REPO / "docs" / "using.md"
+
+APP = textwrap.dedent(
+    """
+    import asyncio
+
+    from sluice import JobContext, Worker
+
+    worker = Worker("default")
+
+
+    @worker.handler
+    async def summarize(job: JobContext) -> dict[str, str]:
+        await asyncio.sleep(job.payload.get("seconds", 0))
+        return {"summary": job.payload["text"][:10]}
+    """
+)
+
+
+def block(tag: str) -> str:
+    """The fenced code block that follows ``<!-- test: tag -->`` in docs/using.md."""
+    match = re.search(rf"<!-- test: {tag} -->\n```[a-z]*\n(.*?)```", DOC.read_text(), re.S)
+    assert match, f"docs/using.md has no block tagged {tag}"
+    return match.group(1)
+
+
+def python_block() -> str:
+    match = re.search(r"## The library in your code\n.*?```python\n(.*?)```", DOC.read_text(), re.S)
+    assert match
+    return match.group(1)
+
+
+async def test_the_library_snippet(
+    redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    namespace: dict[str, object] = {}
+    exec(compile(python_block(), "docs/using.md", "exec"), namespace)  # noqa: S102 - the doc's own code
+    monkeypatch.setenv("SLUICE_REDIS_URL", redis_url)
+    enqueue = namespace["enqueue_summary"]
+    job_id = await enqueue("a long text")  # type: ignore[operator]
+    again = await enqueue("a long text")  # type: ignore[operator]
+    assert job_id == again  # the idempotency key held
+    queue = Queue("llm", redis=redis)
+    assert await queue.job_state(job_id) is JobState.WAITING
+    await queue.redis.delete(*[k async for k in redis.scan_iter(match=queue.keys.base + "*")])
+
+
+def app_dir(tmp_path: Path) -> Path:
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "tasks.py").write_text(APP)
+    return tmp_path
+
+
+def sluice_command(argv: list[str]) -> list[str]:
+    """The doc's command with `sluice` (a path or on PATH) replaced by this interpreter's."""
+    assert Path(argv[0]).name == "sluice", argv
+    return [sys.executable, "-m", "sluice", *argv[1:]]
+
+
+async def run_like_a_service_manager(
+    argv: list[str],
+    env: dict[str, str],
+    cwd: Path,
+    stop_signal: signal.Signals,
+    stop_timeout: float,
+    redis: Redis,
+) -> None:
+    """Start the workers, give them a job that takes 1.5 s, stop them while it runs."""
+    proc = subprocess.Popen(  # noqa: ASYNC220 - a service manager's child, waited for below
+        sluice_command(argv), cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        queue = Queue("default", redis=redis)
+        job = await queue.add("summarize", {"text": "hello there, workers", "seconds": 1.5})
+        deadline = time.monotonic() + 30
+        while await queue.job_state(job.id) is not JobState.ACTIVE:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the job never started"
+            await asyncio.sleep(0.05)
+        # When the service manager stops the unit: its stop signal, to the main process only
+        t0 = time.monotonic()
+        proc.send_signal(stop_signal)
+        code = await asyncio.to_thread(proc.wait, stop_timeout)
+        # Then every process ends cleanly within the stop timeout, and the running job completed
+        stderr = proc.stderr.read().decode() if proc.stderr else ""
+        assert code == 0, stderr
+        assert time.monotonic() - t0 < stop_timeout
+        assert await job.result(timeout=1) == {"summary": "hello ther"}
+        assert (await queue.counts())["released"] == 0, "a second signal reached the workers"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def _seconds(value: str) -> float:
+    return float(value.removesuffix("s"))
+
+
+@pytest.mark.slow
+async def test_the_systemd_unit(redis_url: str, redis: Redis, tmp_path: Path) -> None:
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read_string(block("systemd"))
+    service = unit["Service"]
+    assert service["KillMode"] == "mixed", "SIGTERM must reach the supervisor only: it passes it on once"
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SLUICE_REDIS_URL": redis_url}
+    for line in block("systemd").splitlines():
+        if line.startswith("Environment="):
+            key, _, value = line.removeprefix("Environment=").partition("=")
+            env[key] = value
+    await run_like_a_service_manager(
+        shlex.split(service["ExecStart"]),
+        env,
+        app_dir(tmp_path),
+        signal.Signals[service["KillSignal"]],
+        _seconds(service["TimeoutStopSec"]),
+        redis,
+    )
+
+
+@pytest.mark.slow
+async def test_the_dockerfile(redis_url: str, redis: Redis, tmp_path: Path) -> None:
+    lines = block("dockerfile").splitlines()
+    cmd = json.loads(next(line.removeprefix("CMD ") for line in lines if line.startswith("CMD ")))
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SLUICE_REDIS_URL": redis_url}
+    for line in lines:
+        if line.startswith("ENV "):
+            key, _, value = line.removeprefix("ENV ").partition("=")
+            env[key] = value
+    stop = next(line.split()[1] for line in lines if line.startswith("STOPSIGNAL"))
+    # What it installs exists: the package and any extras it names
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    for named in re.findall(r"sluice\[([a-z,]+)\]", block("dockerfile")):
+        assert set(named.split(",")) <= extras
+    # The page's `docker run --stop-timeout 40`
+    timeout = float(re.search(r"--stop-timeout (\d+)", DOC.read_text()).group(1))  # type: ignore[union-attr]
+    await run_like_a_service_manager(cmd, env, app_dir(tmp_path), signal.Signals[stop], timeout, redis)
