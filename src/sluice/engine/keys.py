@@ -1,30 +1,10 @@
-"""The Redis key layout of one queue, written down in one place.
+"""The Redis key names of one queue, built in one place.
 
 Every key of a queue shares the hash tag ``{name}``, so all scripts touch a
-single slot and run unchanged on Redis Cluster::
-
-    <prefix>:{<queue>}:job:<id>   hash    one job (fields: see docs/architecture.md)
-    <prefix>:{<queue>}:waiting    zset    id -> priority * 2**32 + sequence (FIFO within priority)
-    <prefix>:{<queue>}:delayed    zset    id -> due time (ms)
-    <prefix>:{<queue>}:active     zset    id -> lease deadline (ms)
-    <prefix>:{<queue>}:dead       zset    id -> time it was dead-lettered (ms)
-    <prefix>:{<queue>}:seq        string  last job sequence number (ids are sequence numbers)
-    <prefix>:{<queue>}:idem:<key> string  idempotency key -> job id (expires)
-    <prefix>:{<queue>}:events     stream  capped log of lifecycle events
-    <prefix>:{<queue>}:wake       zset    one marker member; idle workers block on it
-    <prefix>:{<queue>}:stats      hash    cumulative counters (completed, failed, stalled, ...)
-    <prefix>:{<queue>}:workers    hash    worker id -> JSON heartbeat (names it serves, seen at)
-    <prefix>:{<queue>}:control    hash    flow controls: paused, throttled_until, concurrency,
-                                          rate_max, rate_ms, tpm (1 = token-rate limit on)
-    <prefix>:{<queue>}:starts     zset    request-rate window: <id>:<token> -> start time (ms)
-    <prefix>:{<queue>}:budget:<b> hash    one budget of the token ledger ('#tpm': the token-rate limit)
-    <prefix>:{<queue>}:blog:<b>   zset    a rolling budget's reservations -> time reserved (ms)
-    <prefix>:{<queue>}:resv:<r>   hash    one reservation (<job id>:<token>, or the caller's id)
-    <prefix>:{<queue>}:parked:<b> zset    jobs waiting for budget <b> -> their waiting score
-    <prefix>:{<queue>}:parkedby   zset    budget with parked jobs -> when to try them again (ms)
-
-Budgets live in the queue's hash slot (a script may only touch one slot on a
-cluster), so a budget is shared by every worker of its queue, not across queues.
+single slot and run unchanged on Redis Cluster. What each key holds (its
+type, members and fields, and the job hash's fields) is written down once,
+in docs/architecture.md, section "Keys"; tests/test_keys.py checks that
+every key built here is there.
 """
 
 from __future__ import annotations
