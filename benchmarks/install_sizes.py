@@ -70,7 +70,7 @@ def main() -> None:
         venv.create(empty, with_pip=True)
         baseline = tree_bytes(site_packages(empty))
         rows = [measure(wheel, extra, work, baseline) for extra in EXTRAS]
-    table = Table(title="What `pip install sluice-queue[extra]` adds to a fresh venv")
+    table = Table(title="What `pip install sluice-queue\\[extra]` adds to a fresh venv")
     for col in ("extra", "MiB", "packages", "install s"):
         table.add_column(col, justify="right" if col in ("MiB", "packages", "install s") else "left")
     for row in rows:
