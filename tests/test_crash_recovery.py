@@ -141,6 +141,9 @@ async def test_frozen_workers_late_completion_is_refused(
     await eventually(started, timeout=15)
     loop = asyncio.get_running_loop()
     handler_done_by = loop.time() + hold
+    # The handler logs its start, then starts its sleep: on a loaded machine a SIGSTOP sent at
+    # once can land in between, and the sleep would start only when thawed. Well within the lease:
+    await asyncio.sleep(0.2)
 
     # When the process is frozen (SIGSTOP) past its lease, and another worker takes over
     zombie.send(signal.SIGSTOP)
