@@ -108,7 +108,9 @@ def _not_sent(exc: BaseException) -> bool:
 
     redis-py words its connect failures "Error ... connecting to ..." or
     "Timeout connecting to server", and a pool without a free connection "No
-    connection available"; tests/test_transport.py pins these phrases.
+    connection available". tests/test_transport.py fails if a new redis-py
+    words a refused connection otherwise (every write would then say
+    OutcomeUnknown).
     """
     if isinstance(exc, AuthenticationError | AuthorizationError | BusyLoadingError):
         return True
