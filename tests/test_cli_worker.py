@@ -90,3 +90,27 @@ def test_worker_options_are_checked_before_anything_starts(redis_url: str) -> No
     assert result.exit_code == 2 and "the lease must be at least 0.1 seconds, got 0.05" in result.output
     result = cli("worker", TARGET, "--shutdown-grace", "-1", "--redis", redis_url)
     assert result.exit_code == 2 and "the shutdown grace must be more than 0 seconds" in result.output
+
+
+async def test_a_sigterm_while_children_start_stops_every_one_of_them(
+    redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    # Given a supervisor that starts many worker processes
+    env = {**os.environ, "SLUICE_TEST_REDIS": redis_url, "SLUICE_TEST_PREFIX": prefix}
+    where = ["--queue", "cliq", "--prefix", prefix, "--redis", redis_url]
+    argv = [sys.executable, "-m", "sluice", "worker", TARGET, "--processes", "12", *where]
+    proc = _start(argv, env, tmp_path / "worker.log")
+    try:
+        # When SIGTERM comes once the first few children exist, while others are still to start
+        await eventually(lambda: _some_children(proc, 2), timeout=30, interval=0.005)
+        proc.send(signal.SIGTERM)
+        # Then the supervisor starts no more, every child stops, and it exits cleanly (it waits
+        # for each child it started, so its exit means none is left behind)
+        assert await proc.wait_exit(timeout=30) == 0, proc.log()
+        assert not any(child.is_running() for child in proc.seen_children.values())
+    finally:
+        proc.kill()
+
+
+async def _some_children(proc: WorkerProc, n: int) -> bool:
+    return len(proc.children()) >= n

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from sluice import Queue
@@ -442,10 +443,18 @@ def test_a_command_alone_starts_the_server_and_stops_it(terminals: Terminals, ho
 def test_a_port_instead_of_the_socket(terminals: Terminals) -> None:
     server = terminals.start("redis", "--port", "0", "--json")
     described = server.json()
-    assert re.fullmatch(r"redis://127\.0\.0\.1:\d+/0", described["url"]), described
+    # A port is open to every local user: the server has a password, shown only in the export line
+    assert re.fullmatch(r"redis://\*\*\*@127\.0\.0\.1:\d+/0", described["url"]), described
     record = terminals.server()
     assert record is not None and record.socket is None and record.port == described["port"]
-    assert probe(record.address) == record.pid
+    assert record.password and described["export"] == f"export SLUICE_REDIS_URL={record.url}"
+    assert record.url == f"redis://:{record.password}@127.0.0.1:{record.port}/0"
+    assert probe(record.address) is None  # without the password it answers nothing
+    assert probe(record.address, password=record.password) == record.pid
+    # and the password is in no command line (ps shows those to everyone) and no readable file
+    assert record.password not in " ".join(psutil.Process(record.pid).cmdline())
+    for secret in (terminals.home / "redis" / "secret.conf", terminals.home / "redis" / "server.json"):
+        assert secret.stat().st_mode & 0o077 == 0, secret
     # asking for another port while it runs is an error that says what to do
     other = terminals.run("redis", "--port", str(record.port + 1))
     assert other.popen.returncode == 1
@@ -453,3 +462,39 @@ def test_a_port_instead_of_the_socket(terminals: Terminals) -> None:
     server.send(signal.SIGTERM)
     assert server.wait() == 0
     assert gone(record)
+
+
+@pytest.mark.slow
+def test_a_command_given_the_folders_url_is_a_user_too(terminals: Terminals, home: Path, prefix: str) -> None:
+    # Given `sluice redis` in one terminal, and a worker given its exported URL in another,
+    # as the README's library example does
+    first = terminals.start("redis", "--json")
+    url = first.json()["url"]
+    worker = terminals.start(
+        "worker",
+        "tests.proc_workers:worker",
+        "--queue",
+        "q",
+        env={"SLUICE_REDIS_URL": url, "SLUICE_TEST_REDIS": url, "SLUICE_TEST_PREFIX": prefix},
+    )
+    asyncio.run(workers_seen(url, prefix, 1))
+    # Then the worker counts as a user
+    status = terminals.run("redis", "status", "--json")
+    assert sorted(u["label"] for u in json.loads(status.stdout())["users"]) == [
+        "sluice redis",
+        "sluice worker",
+    ]
+    # When terminal 1 is stopped first, the server stays up for the worker
+    first.ctrl_c()
+    assert first.wait() == 0, first.describe()
+    assert first.json(1) == {"left": True, "others": 1, "stopped": False}
+    record = terminals.server()
+    assert record is not None and probe(record.address) == record.pid
+    # And when the worker, its last user, stops, so does the server
+    worker.send(signal.SIGTERM)
+    assert worker.wait() == 0, worker.describe()
+    assert_stopped(terminals, record)
+    # And a URL of another Redis makes no user, and no folder
+    other = terminals.run("info", "--redis", "redis://127.0.0.1:1/0")
+    assert other.popen.returncode == 1
+    assert not (home / "redis" / "server.json").exists()

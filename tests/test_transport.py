@@ -318,3 +318,32 @@ async def test_worker_logs_say_what_broke(caplog: pytest.LogCaptureFixture) -> N
     # Then its log lines name the server and keep the transport's message
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("sluice")]
     assert any(f"Redis at redis://127.0.0.1:{port}/0" in line and "onnect" in line for line in lines), lines
+
+
+async def test_a_stopping_worker_gives_up_on_a_redis_that_is_gone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a worker running a long job on a Redis of its own
+    server = EmbeddedRedis(tmp_path, port=0, persist=False)
+    await asyncio.to_thread(server.start)
+    worker = Worker("q", concurrency=1, lease=5.0, shutdown_grace=0.5)
+    started = asyncio.Event()
+
+    @worker.handler
+    async def slow(job: Any) -> None:
+        started.set()
+        await asyncio.sleep(30)
+
+    caplog.set_level(logging.WARNING, logger="sluice")
+    task = asyncio.create_task(worker.run(server.url, handle_signals=False))
+    async with Queue.from_url(server.url, "q") as queue:
+        job = await queue.add("slow")
+    await asyncio.wait_for(started.wait(), 10)
+    # When Redis goes away, and then the worker is told to stop
+    await asyncio.to_thread(server.stop)
+    worker.stop()
+    # Then it releases the job after its grace, cannot report that, and stops all the same,
+    # saying which job runs again once its lease expires
+    await asyncio.wait_for(task, 15)
+    assert "stopped without reporting 1 outcome(s)" in caplog.text
+    assert f"jobs {job.id} run again once their leases expire" in caplog.text

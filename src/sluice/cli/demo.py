@@ -26,7 +26,7 @@ from sluice.cli.runtime import run
 from sluice.cli.server import ENV_URL, redis_url
 from sluice.engine import JobContext, JobRecord, JobSpec, Queue, Worker
 from sluice.engine.connection import connect
-from sluice.testing.processes import worker_argv
+from sluice.testing.processes import worker_process
 
 console = Console()
 
@@ -96,9 +96,8 @@ async def _demo(url: str, n: int, processes: int, concurrency: int, seed: int) -
 
 
 def _start_worker(url: str, queue: str, concurrency: int, i: int) -> subprocess.Popen[bytes]:
-    argv = worker_argv(url, queue, concurrency, f"worker-{i + 1}", target="sluice.cli.demo:worker")
     env = dict(os.environ, SLUICE_LOG_LEVEL="warning")
-    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: S603
+    return worker_process(url, queue, concurrency, f"worker-{i + 1}", "sluice.cli.demo:worker", env=env)
 
 
 async def _wait_for_workers(queue: Queue, procs: list[subprocess.Popen[bytes]]) -> None:

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from sluice.cli.server import ENV_URL, command_label
+from sluice.engine.connection import redact
 from sluice.errors import RedisUnavailable
 from sluice.settings import ENV_HOME, ENV_REDIS_SERVER, Settings
 from sluice.testing import shared
@@ -58,8 +59,9 @@ PortOpt = Annotated[
         min=0,
         max=65535,
         help=(
-            "Listen on this loopback TCP port instead of a unix socket (for containers or "
-            "other users on this machine; 0 picks a free one). Only when it starts the server."
+            "Listen on this loopback TCP port instead of a unix socket, for programs that "
+            "cannot use the socket (0 picks a free one). Any local user can reach a port, so "
+            "the server gets a random password, in the URL it prints. Only when it starts the server."
         ),
         show_default=False,
     ),
@@ -174,11 +176,15 @@ def _run(home: Path | None, port: int | None, as_json: bool) -> None:
         left_json: dict[str, Any] = {"left": True, "others": left, "stopped": left == 0 and not ended_by}
         print(json.dumps(left_json | ({"error": ended_by} if ended_by else {})), flush=True)
     elif left:
-        console.print(f"{left} other command(s) still use it; it stops when the last one exits ({url})")
+        console.print(
+            f"{left} other command(s) still use it; it stops when the last one exits ({redact(url)})"
+        )
     elif ended_by is None:
         console.print(f"stopped the Redis; its data stays in {escape(str(server.folder.path))}")
     if ended_by is not None:
-        raise RedisUnavailable(url, ended_by, f"See {server.folder.log_path}; `sluice redis` starts it again")
+        raise RedisUnavailable(
+            redact(url), ended_by, f"See {server.folder.log_path}; `sluice redis` starts it again"
+        )
 
 
 def _announce(record: ServerRecord, server: SharedRedis, others: int) -> None:
@@ -197,14 +203,14 @@ def _announce(record: ServerRecord, server: SharedRedis, others: int) -> None:
 
 def _print_server(record: ServerRecord, folder: Path, how: str) -> None:
     console.print(f"[bold]Redis {record.version}[/bold] ({how}, pid {record.pid})")
-    console.print(f"  url     [bold]{escape(record.url)}[/bold]")
+    console.print(f"  url     [bold]{escape(redact(record.url))}[/bold]")
     console.print(f"  binary  {escape(record.binary)} ({record.origin})")
     console.print(f"  data    {escape(str(folder))} (append-only file, kept across restarts)")
 
 
 def _describe(record: ServerRecord, folder: Path) -> dict[str, Any]:
     return {
-        "url": record.url,
+        "url": redact(record.url),
         "export": f"export {ENV_URL}={shlex.quote(record.url)}",
         "pid": record.pid,
         "version": record.version,

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.markup import escape
 
+from sluice.engine.connection import redact
 from sluice.settings import ENV_REDIS_URL, Settings
 from sluice.testing.shared import SharedRedis
 
@@ -42,7 +43,10 @@ def redis_url(explicit: str | None, console: Console | None = None) -> Iterator[
     settings = Settings.from_env()
     url = explicit or settings.redis_url
     if url:
-        yield url
+        # Given the URL of this folder's shared Redis (the line `sluice redis` prints), use it
+        # as a user all the same, so that it is not stopped under this command.
+        with SharedRedis(settings.home, label=command_label(), join=url):
+            yield url
         return
     shared = SharedRedis(settings.home, binary=settings.redis_server, label=command_label())
     with shared as url:
@@ -50,7 +54,7 @@ def redis_url(explicit: str | None, console: Console | None = None) -> Iterator[
         if shared.started and console is not None and record is not None:
             console.print(
                 escape(
-                    f"started the embedded Redis {record.version} at {url}; it stops when the last "
+                    f"started the embedded Redis {record.version} at {redact(url)}; it stops when the last "
                     "command using it exits (`sluice redis` keeps it up)"
                 ),
                 style="dim",

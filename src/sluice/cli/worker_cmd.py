@@ -167,14 +167,20 @@ def _supervise(
 ) -> int:
     """Start N single-process workers with the same settings and pass signals on to them."""
     children: list[subprocess.Popen[bytes]] = []
+    #: every signal passed on, in order; and how many of them each child has been sent
+    forwarded: list[int] = []
+    sent: dict[int, int] = {}
 
-    forwarded: set[int] = set()
-
-    def forward(signum: int, _frame: object) -> None:
-        forwarded.add(signum)
-        for child in children:
+    def catch_up(child: subprocess.Popen[bytes]) -> None:
+        for signum in forwarded[sent.get(child.pid, 0) :]:
             if child.poll() is None:
                 child.send_signal(signum)
+        sent[child.pid] = len(forwarded)
+
+    def forward(signum: int, _frame: object) -> None:
+        forwarded.append(signum)
+        for child in children:
+            catch_up(child)
 
     # Before the first child starts: a signal in between must reach the children, not end us.
     signal.signal(signal.SIGTERM, forward)
@@ -182,6 +188,8 @@ def _supervise(
     # The URL goes in the environment, not on the command line, where `ps` would show its password.
     env = {**os.environ, ENV_REDIS_URL: url}
     for i in range(processes):
+        if forwarded:
+            break  # told to stop while starting: start no more
         argv = [sys.executable, "-m", "sluice", *(["--debug"] if debug else []), "worker", target]
         for option, value in settings.items():
             if value is not None:
@@ -189,7 +197,9 @@ def _supervise(
         if worker_id is not None:
             argv += ["--worker-id", f"{worker_id}-{i + 1}"]
         # A session of their own: a Ctrl-C reaches them once, through forward(), not twice.
-        children.append(subprocess.Popen(argv, env=env, start_new_session=True))  # noqa: S603 - our own CLI
+        child = subprocess.Popen(argv, env=env, start_new_session=True)  # noqa: S603 - our own CLI
+        children.append(child)
+        catch_up(child)  # a signal that came while it was being started, exactly once
     codes = [child.wait() for child in children]
     # A child that the signal we passed on ended while it was still starting (killed by it,
     # or exiting 128 + its number) stopped as asked; any other signal or code is a failure.

@@ -40,6 +40,7 @@ from sluice.errors import (
     PermanentError,
     RedisCommandError,
     RedisUnavailable,
+    SluiceError,
     Throttled,
 )
 
@@ -138,6 +139,8 @@ class Runner:
         self._closing = False
         self._wire = _Wire(queue.redis, queue.scripts.dispatch)
         self._grace_timer: asyncio.TimerHandle | None = None
+        #: loop time after which, once no handler runs, outcomes Redis would not take are dropped
+        self._give_up_at: float | None = None
 
     # ---- control ---------------------------------------------------------------------
     def request_stop(self, *, immediately: bool = False) -> None:
@@ -156,8 +159,10 @@ class Runner:
                 },
             )
             self._grace_timer = loop.call_later(self.worker.shutdown_grace, self._release_all)
+            self._give_up_at = loop.time() + self.worker.shutdown_grace
         if immediately:
             self._release_all()
+            self._give_up_at = loop.time()
         self.kick.set()
 
     def _release_all(self) -> None:
@@ -250,7 +255,10 @@ class Runner:
                     failures = 0
                 except Exception as exc:  # noqa: BLE001 - keep serving; outcomes are kept
                     failures += 1
-                    await self._backoff("dispatch", exc, failures)
+                    if self._must_give_up():
+                        self._abandon(exc)
+                        return
+                    await self._backoff("dispatch", exc, failures, wake=self.kick)
                 continue
             if self.stopping and not self.running:
                 return
@@ -270,19 +278,55 @@ class Runner:
                     self.more = True
             self.idle.clear()
 
-    async def _backoff(self, what: str, exc: BaseException, failures: int) -> None:
-        delay = min(5.0, 0.05 * 2 ** min(failures, 7)) * (0.5 + random.random() / 2)
+    def _must_give_up(self) -> bool:
+        """Stopping, no handler left, and past the grace (or told twice): Redis will not take
+        the outcomes in time, and waiting for it would keep the process alive for ever."""
+        loop = asyncio.get_running_loop()
+        return (
+            self.stopping
+            and not self.running
+            and self._give_up_at is not None
+            and loop.time() >= self._give_up_at
+        )
+
+    def _abandon(self, exc: BaseException) -> None:
+        ids = [outcome[0] for outcome in self.done]
         error = describe(exc)
+        log.error(
+            "worker %s stopped without reporting %d outcome(s), as Redis at %s did not take them "
+            "(%s); jobs %s run again once their leases expire",
+            self.wid,
+            len(ids),
+            server_url(self.queue.redis),
+            error,
+            ", ".join(ids),
+            extra={"worker_id": self.wid, "job_ids": ids, "error": error},
+        )
+
+    async def _backoff(
+        self, what: str, exc: BaseException, failures: int, wake: asyncio.Event | None = None
+    ) -> None:
+        """Log the failure and wait before the next try (``wake`` cuts the wait short)."""
+        delay = min(5.0, 0.05 * 2 ** min(failures, 7)) * (0.5 + random.random() / 2)
+        # A mapped error names the server itself; a raw one gets the URL added.
+        error = (
+            str(exc)
+            if isinstance(exc, SluiceError)
+            else f"Redis at {server_url(self.queue.redis)}: {describe(exc)}"
+        )
         log.warning(
-            "worker %s: %s failed (Redis at %s: %s); retrying in %.2fs",
+            "worker %s: %s failed (%s); retrying in %.2fs",
             self.wid,
             what,
-            server_url(self.queue.redis),
             error,
             delay,
             extra={"worker_id": self.wid, "error": error, "retry_in_s": round(delay, 2)},
         )
-        await asyncio.sleep(delay)
+        if wake is None:
+            await asyncio.sleep(delay)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), delay)
 
     async def _step(self, free: int) -> None:
         batch = self.done

@@ -38,7 +38,7 @@ from sluice.engine.queue import Queue
 from sluice.lab.common import drop_queue
 from sluice.lab.lab_worker import ENV_URL, lab_key
 from sluice.lab.stats import percentile
-from sluice.testing.processes import worker_argv
+from sluice.testing.processes import worker_process
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -154,14 +154,7 @@ async def _enqueue(queue: Queue, mode: str, phase: str, w: Workload) -> list[tup
 def _start_workers(url: str, queue: str, w: Workload) -> list[subprocess.Popen[bytes]]:
     env = {**os.environ, ENV_URL: url, "SLUICE_LOG_LEVEL": "warning"}
     return [
-        subprocess.Popen(
-            worker_argv(url, queue, w.local_concurrency, wid, WORKER_TARGET),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        worker_process(url, queue, w.local_concurrency, wid, WORKER_TARGET, env=env, stderr=subprocess.PIPE)
         for wid in w.worker_ids
     ]
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from sluice.testing.processes import worker_argv
+from sluice.testing.processes import worker_process
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 #: The handler module every benchmark worker runs.
 WORKER_TARGET = "sluice.lab.noop:worker"
 
-__all__ = ["WORKER_TARGET", "WorkerGroup", "process_cpu_s", "redis_cpu_s", "worker_argv"]
+__all__ = ["WORKER_TARGET", "WorkerGroup", "process_cpu_s", "redis_cpu_s"]
 
 
 def process_cpu_s(proc: psutil.Process) -> float:
@@ -68,13 +68,14 @@ class WorkerGroup:
             wid = f"w{len(self.ids) + 1}"
             log = open(self.log_dir / f"{wid}.log", "wb") if self.log_dir else None  # noqa: SIM115
             try:
-                proc = subprocess.Popen(
-                    worker_argv(self.url, self.queue, self.concurrency, wid, self.target),
+                proc = worker_process(
+                    self.url,
+                    self.queue,
+                    self.concurrency,
+                    wid,
+                    self.target,
                     env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
                     stderr=log if log is not None else subprocess.DEVNULL,
-                    start_new_session=True,
                 )
             finally:
                 if log is not None:

@@ -134,7 +134,20 @@ def _connect(address: Address, timeout: float) -> socket.socket:
     return sock
 
 
-def probe(address: Address, timeout: float = 1.0, *, loaded: bool = True) -> int | None:
+def _auth(sock: socket.socket, password: str | None) -> None:
+    """Authenticate a raw connection (a server started with a password refuses INFO before)."""
+    if password is None:
+        return
+    secret = password.encode()
+    sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret))
+    reply = sock.recv(256)
+    if not reply.startswith(b"+OK"):
+        raise ValueError("AUTH refused")
+
+
+def probe(
+    address: Address, timeout: float = 1.0, *, loaded: bool = True, password: str | None = None
+) -> int | None:
     """The process id of the Redis answering at ``address``, else None.
 
     With ``loaded`` (the default), only once it has loaded its data: a server
@@ -146,6 +159,7 @@ def probe(address: Address, timeout: float = 1.0, *, loaded: bool = True) -> int
     """
     try:
         with _connect(address, timeout) as s:
+            _auth(s, password)
             s.sendall(b"INFO server\r\nINFO persistence\r\n")
             server, persistence = _read_bulk(s, 2)
     except (OSError, ValueError):
@@ -158,7 +172,7 @@ def probe(address: Address, timeout: float = 1.0, *, loaded: bool = True) -> int
     return None
 
 
-def shutdown(address: Address, timeout: float = 10.0) -> bool:
+def shutdown(address: Address, timeout: float = 10.0, *, password: str | None = None) -> bool:
     """Send SHUTDOWN: the server flushes its append-only file and exits.
 
     True when the server closed the connection as it does on success; False
@@ -166,9 +180,10 @@ def shutdown(address: Address, timeout: float = 10.0) -> bool:
     """
     try:
         with _connect(address, timeout) as s:
+            _auth(s, password)
             s.sendall(b"SHUTDOWN\r\n")
             return s.recv(256) == b""
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
@@ -197,7 +212,9 @@ class EmbeddedRedis:
     in the starter's terminal or the starter's exit does not reach it (the
     shared server of :mod:`sluice.testing.shared` outlives its starter); while
     the starter lives, a thread of its reaps the server when it exits,
-    whoever stopped it.
+    whoever stopped it. ``password`` makes the server require it (AUTH) and
+    puts it in :attr:`url`: a loopback port is open to every user of the
+    machine, a unix socket (mode 700) only to its owner.
     """
 
     def __init__(
@@ -208,6 +225,7 @@ class EmbeddedRedis:
         port: int | None = None,
         persist: bool = True,
         detached: bool = False,
+        password: str | None = None,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.binary = binary or find_binary()
@@ -216,13 +234,15 @@ class EmbeddedRedis:
         self.port = 0 if self.socket_path is not None else (port or free_port())
         self.persist = persist
         self.detached = detached
+        self.password = password
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         if self.socket_path is not None:
             return f"unix://{self.socket_path}"
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password is not None else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
     def address(self) -> Address:
@@ -254,7 +274,18 @@ class EmbeddedRedis:
         ]
         if self.socket_path is not None:
             argv += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        if self.password is not None:
+            # In a file only its owner reads, not on the command line, which `ps` shows to all.
+            argv.insert(1, str(self._secret_config()))
         return argv
+
+    def _secret_config(self) -> Path:
+        path = self.data_dir / "secret.conf"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'requirepass "{self.password}"\n')
+        return path
 
     def start(self, timeout: float = 10.0, on_spawn: Callable[[int], None] | None = None) -> EmbeddedRedis:
         """Start the server and return once it answers and has loaded its data.
@@ -285,7 +316,7 @@ class EmbeddedRedis:
                     f"redis-server ({self.binary.path}) exited at start with code "
                     f"{self.process.returncode}: {self._early_output()}"
                 )
-            if probe(self.address) == self.process.pid:
+            if probe(self.address, password=self.password) == self.process.pid:
                 if self.detached:
                     self._reap_in_background(self.process)
                 return self

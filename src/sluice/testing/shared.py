@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 
+from sluice.engine.connection import redact
 from sluice.errors import ConfigurationError
 from sluice.settings import ENV_HOME, ENV_REDIS_URL
 from sluice.testing.embedded import (
@@ -80,6 +81,8 @@ class ServerRecord:
     port: int
     started_by: int
     started_at: float
+    #: the server's password (a loopback port is open to every local user; the socket is not)
+    password: str | None = None
 
     @property
     def address(self) -> Address:
@@ -155,7 +158,9 @@ class RedisFolder:
     def write_record(self, record: ServerRecord) -> None:
         """Replace ``server.json`` at once: a reader sees the old record or the new, never half."""
         tmp = self.record_path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(record), indent=1) + "\n")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold a password
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(asdict(record), indent=1) + "\n")
         tmp.replace(self.record_path)
 
     def forget_record(self) -> None:
@@ -209,14 +214,14 @@ class RedisFolder:
         if record is None:
             return None
         deadline = time.monotonic() + wait
-        while probe(record.address) != record.pid:
+        while probe(record.address, password=record.password) != record.pid:
             if not _runs(record):
                 self.forget_record()
                 return None
             if time.monotonic() > deadline:
                 raise ConfigurationError(
                     f"the Redis of {self.path} (pid {record.pid}) runs but does not answer at "
-                    f"{record.url}; see {self.log_path}, or stop it with `sluice redis stop`"
+                    f"{redact(record.url)}; see {self.log_path}, or stop it with `sluice redis stop`"
                 )
             time.sleep(0.05)
         return record
@@ -224,7 +229,10 @@ class RedisFolder:
     def stop_server(self, record: ServerRecord, timeout: float = STOP_TIMEOUT) -> None:
         """Stop the recorded server: SHUTDOWN (it flushes the append-only file), else SIGTERM."""
         signalled = False
-        if not (probe(record.address, loaded=False) == record.pid and shutdown(record.address)):
+        if not (
+            probe(record.address, loaded=False, password=record.password) == record.pid
+            and shutdown(record.address, password=record.password)
+        ):
             if not _runs(record):
                 self.forget_record()
                 return
@@ -256,6 +264,11 @@ class SharedRedis:
     After attaching, ``record`` describes the server and ``started`` says
     whether this object started it; after detaching, ``others_at_exit`` says
     how many other processes still used it (0: it was stopped).
+
+    ``join``: a URL the caller was given. If it is the folder's running
+    server, this process becomes a user of it like any other (so the server
+    outlives the command that started it while this one runs); otherwise
+    nothing happens, and no server is ever started.
     """
 
     def __init__(
@@ -266,8 +279,10 @@ class SharedRedis:
         port: int | None = None,
         label: str | None = None,
         timeout: float = LOCK_TIMEOUT,
+        join: str | None = None,
     ) -> None:
         self.folder = RedisFolder(home)
+        self.join = join
         self.binary = binary
         self.port = port
         self.label = label or Path(sys.argv[0]).name
@@ -288,6 +303,8 @@ class SharedRedis:
         """Register as a user, then use the live server or start one; return its URL."""
         if self._user is not None:
             return self.url
+        if self.join is not None:
+            return self._join(self.join)
         with self.folder.locked(self.timeout):
             self._user = self.folder.register(self.label)
             try:
@@ -297,7 +314,7 @@ class SharedRedis:
                     self.started = True
                 elif self.port is not None and not self._listens_as_asked(record):
                     raise ConfigurationError(
-                        f"the Redis of {self.folder.path} already runs at {record.url}; use that, or "
+                        f"the Redis of {self.folder.path} already runs at {redact(record.url)}; use that, or "
                         "stop it first (`sluice redis stop`) to start it on the port you asked for"
                     )
             except BaseException:
@@ -307,12 +324,29 @@ class SharedRedis:
         self.record = record
         return record.url
 
+    def _join(self, url: str) -> str:
+        """Become a user if ``url`` is the folder's running server; never start one."""
+        recorded = self.folder.read_record()  # no lock, no folder created, for a URL of elsewhere
+        if recorded is None or recorded.url != url:
+            return url
+        with self.folder.locked(self.timeout):
+            record = self.folder.server()
+            if record is not None and record.url == url:
+                self._user = self.folder.register(self.label)
+                self.record = record
+        return url
+
     def _listens_as_asked(self, record: ServerRecord) -> bool:
         return record.socket is None and self.port in (0, record.port)
 
     def _start(self) -> ServerRecord:
         binary = self.binary if isinstance(self.binary, RedisBinary) else find_binary(self.binary)
         server = EmbeddedRedis(self.folder.path, binary=binary, port=self.port, detached=True)
+        if server.socket_path is None:
+            # A loopback port (asked for, or a socket path too long) is open to every user of
+            # the machine, unlike the socket (mode 700): it gets a password.
+            server.password = secrets.token_urlsafe(24)
+        password = server.password
         if server.socket_path is not None and probe(str(server.socket_path), loaded=False) is not None:
             # Starting another server on the same data would corrupt its append-only file.
             raise ConfigurationError(
@@ -333,6 +367,7 @@ class SharedRedis:
                 port=server.port,
                 started_by=os.getpid(),
                 started_at=time.time(),
+                password=password,
             )
             self.folder.write_record(record)
 
@@ -402,7 +437,10 @@ def stop(home: str | Path) -> ServerStatus | None:
         return None
     with folder.locked():
         record = folder.read_record()
-        if record is None or not (probe(record.address, loaded=False) == record.pid or _runs(record)):
+        alive = record is not None and (
+            probe(record.address, loaded=False, password=record.password) == record.pid or _runs(record)
+        )
+        if record is None or not alive:
             folder.forget_record()
             return None
         found = ServerStatus(folder.path, record, tuple(folder.live_users()))
