@@ -130,6 +130,10 @@ async def test_dlq_list_show_redrive_purge(redis: Redis, redis_url: str, prefix:
     assert await q.job_state(ids[0]) is JobState.WAITING
     again = await invoke("dlq", "redrive", ids[0], *where, code=1)
     assert "is waiting; only dead jobs can be redriven" in again.stderr
+    # A list with one id that is not dead changes nothing, not even for the dead ones in it
+    mixed = await invoke("dlq", "redrive", ids[1], ids[0], *where, code=1)
+    assert "only dead jobs can be redriven" in mixed.stderr
+    assert await q.job_state(ids[1]) is JobState.DEAD
     refused = await invoke("dlq", "purge", *where, input="n\n", code=1)
     assert "Aborted" in refused.output and await q.get_job(ids[1]) is not None
     assert "purged 1 job(s)" in (await invoke("dlq", "purge", "--yes", *where)).stdout

@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import BusyLoadingError, ResponseError
 
 from sluice import (
+    ConfigurationError,
     JobSpec,
     OutcomeUnknown,
     Queue,
@@ -241,7 +242,7 @@ async def test_a_write_whose_answer_is_lost_is_outcome_unknown(
             await queue.add("x", {"n": 2})
         assert proxy.dropped == 1
         # Then the error says the add may have happened, and how to retry safely
-        assert caught.value.operation == "Queue.add_bulk()"
+        assert caught.value.operation == "Queue.add()"
         assert "may have been applied" in str(caught.value) and "idempotency_key" in str(caught.value)
         # And indeed it had: the job is there, which is why retrying without a key would duplicate it
         record = await Queue("q", redis=redis, prefix=prefix).get_job("2")
@@ -293,6 +294,62 @@ async def test_a_read_only_replica_is_a_command_error_that_says_use_the_primary(
     finally:
         await client.aclose()
         await asyncio.to_thread(replica.stop)
+
+
+async def test_a_server_that_is_not_redis_is_named_as_such() -> None:
+    # Given an HTTP server where Redis was expected
+    async def http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1024)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    server = await asyncio.start_server(http, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = connect(f"redis://127.0.0.1:{port}/0")
+    try:
+        with pytest.raises(RedisUnavailable, match="does not speak the Redis protocol") as caught:
+            await Queue("q", redis=client).add("x")
+        assert not isinstance(caught.value, OutcomeUnknown)
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_read_from_a_redis_that_never_answers_is_not_tried_twice() -> None:
+    # Given a server that accepts connections and never answers
+    writers: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.read()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = connect(f"redis://127.0.0.1:{port}/0", socket_timeout=0.5)
+    loop = asyncio.get_running_loop()
+    try:
+        started = loop.time()
+        with pytest.raises(RedisUnavailable, match="Timeout"):
+            await Queue("q", redis=client).counts()
+        # Then it gave up after one socket timeout, not two
+        assert loop.time() - started < 0.9
+    finally:
+        await client.aclose()
+        for writer in writers:
+            writer.close()
+            await writer.wait_closed()
+        server.close()
+        await server.wait_closed()
+
+
+def test_a_url_option_redis_py_does_not_take_is_a_configuration_error() -> None:
+    with pytest.raises(
+        ConfigurationError, match=r"Redis URL 'redis://\*\*\*@h:1/0\?bogus_option=1' is not usable"
+    ):
+        connect("redis://:s3cret@h:1/0?bogus_option=1")
 
 
 def test_a_loading_redis_is_unavailable_with_nothing_applied() -> None:

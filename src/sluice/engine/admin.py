@@ -165,6 +165,8 @@ class QueueAdmin:
         ids = list(job_ids) if job_ids is not None else await self._all_dead()
         for job_id in ids:
             check_job_id(job_id)
+        if job_ids is not None:
+            await self._check_dead(ids, "only dead jobs can be redriven")
         moved = 0
         for chunk in _chunks(ids, ADMIN_CHUNK):
             k = self.keys
@@ -172,14 +174,22 @@ class QueueAdmin:
                 keys=[k.dead, k.waiting, k.events, k.wake, *(k.job(i) for i in chunk)],
                 args=[self.events_maxlen, *chunk],
             )
-            for job_id, code in zip(chunk, codes, strict=True):
-                if code == -1 and job_ids is not None:
-                    raise JobNotFound(job_id)
-                if code == 0 and job_ids is not None:
-                    state = await self.job_state(job_id)
-                    raise JobStateError(job_id, str(state), "only dead jobs can be redriven")
-                moved += code == 1
+            # A job that left the dead set since the check (another redrive) is skipped.
+            moved += sum(code == 1 for code in codes)
         return moved
+
+    async def _check_dead(self, ids: list[str], wanted: str) -> None:
+        """Refuse the whole call, before any change, if one of ``ids`` is missing or not dead."""
+        for chunk in _chunks(ids, ADMIN_CHUNK):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in chunk:
+                    pipe.hget(self.keys.job(job_id), "state")
+                states: list[bytes | None] = await pipe.execute()
+            for job_id, state in zip(chunk, states, strict=True):
+                if state is None:
+                    raise JobNotFound(job_id)
+                if state != b"dead":
+                    raise JobStateError(job_id, state.decode(), wanted)
 
     @writes
     async def purge_dead(self, job_ids: Iterable[str] | None = None) -> int:

@@ -51,7 +51,10 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
         options.setdefault("maint_notifications_config", MaintNotificationsConfig(enabled=False))
     try:
         pool = aioredis.BlockingConnectionPool.from_url(url, **options)
-    except ValueError as exc:
+        # Build one connection object now (no I/O): an option it does not take fails here,
+        # as a configuration error, not at the first command as a TypeError.
+        pool.connection_class(**pool.connection_kwargs)
+    except (ValueError, TypeError) as exc:
         raise ConfigurationError(f"Redis URL {redact(url)!r} is not usable: {exc}") from exc
     return aioredis.Redis.from_pool(pool)
 

@@ -25,7 +25,7 @@ from sluice.engine.job import JobRecord, JobSpec, JobState
 from sluice.engine.keys import QueueKeys, check_job_id
 from sluice.engine.protocol import WorkerProtocol
 from sluice.engine.scripts import Scripts
-from sluice.engine.transport import reads, reads_stream, writes
+from sluice.engine.transport import reads, reads_once, reads_stream, writes
 from sluice.errors import (
     BudgetNotFound,
     InvalidJobError,
@@ -163,6 +163,7 @@ class Queue(QueueAdmin, FlowControl):
         await self.close()
 
     # ---- adding ------------------------------------------------------------
+    @writes
     async def add(
         self,
         name: str,
@@ -198,7 +199,7 @@ class Queue(QueueAdmin, FlowControl):
             budget,
             on_exhausted,
         )
-        return (await self.add_bulk([spec]))[0]
+        return (await self._add_many([spec]))[0]
 
     @writes
     async def add_bulk(self, specs: Iterable[JobSpec]) -> list[Job]:
@@ -209,6 +210,9 @@ class Queue(QueueAdmin, FlowControl):
         :class:`~sluice.errors.OutcomeUnknown` if the connection broke after
         the jobs were sent: add them again only with idempotency keys.
         """
+        return await self._add_many(specs)
+
+    async def _add_many(self, specs: Iterable[JobSpec]) -> list[Job]:
         specs = list(specs)
         for i, spec in enumerate(specs):
             if not isinstance(spec, JobSpec):
@@ -316,7 +320,7 @@ class Queue(QueueAdmin, FlowControl):
         return JobState(raw.decode()) if raw else None
 
     # ---- results ---------------------------------------------------------------
-    @reads
+    @reads_once
     async def wait_result(self, job_id: str, timeout: float | None = None) -> JSONValue:
         self._check_id(job_id)
         waiter = self._result_waiter()

@@ -33,6 +33,7 @@ from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
     BusyLoadingError,
+    InvalidResponse,
     NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -121,26 +122,11 @@ def _not_sent(exc: BaseException) -> bool:
 def translate(redis: Any, exc: BaseException, *, operation: str | None) -> SluiceError:
     """The Sluice error for a transport failure; ``operation`` names a write (None: a read)."""
     url = server_url(redis)
-    if isinstance(exc, BusyLoadingError):
-        return RedisUnavailable(url, "it is loading its data set", "Retry in a moment: nothing was applied")
-    if isinstance(exc, AuthenticationError | AuthorizationError):
-        return RedisUnavailable(
-            url,
-            f"it refused the credentials ({_reason(exc)})",
-            "Put the right user and password in the URL: redis://USER:PASSWORD@host:port/0",
-        )
+    cause = _known_unavailability(exc)
+    if cause is not None:
+        return RedisUnavailable(url, *cause)
     if isinstance(exc, ResponseError):
-        # redis-py strips the error code from the replies it has classes for.
-        code = next((c for cls, c in _CODED if isinstance(exc, cls)), None)
-        reply = _reason(exc)
-        wrapped = _IN_SCRIPT.search(reply)  # Redis 6.2: "Error running script (...): -OOM ..."
-        if wrapped:
-            code, reply = wrapped.group(1), f"{wrapped.group(1)} {wrapped.group(2)}"
-        elif code is None:
-            code = reply.split(" ", 1)[0].upper()
-        else:
-            reply = f"{code} {reply}"
-        return RedisCommandError(url, reply, _ADVICE.get(code, _UNKNOWN_REPLY))
+        return _command_error(url, exc)
     if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
         if operation is not None and not _not_sent(exc):
             return OutcomeUnknown(url, _reason(exc), operation)
@@ -148,8 +134,43 @@ def translate(redis: Any, exc: BaseException, *, operation: str | None) -> Sluic
     return RedisCommandError(url, _reason(exc), _UNKNOWN_REPLY)
 
 
+def _known_unavailability(exc: BaseException) -> tuple[str, str] | None:
+    """(reason, advice) for failures that say what the server is doing instead of serving."""
+    if isinstance(exc, BusyLoadingError):
+        return "it is loading its data set", "Retry in a moment: nothing was applied"
+    if isinstance(exc, AuthenticationError | AuthorizationError):
+        return (
+            f"it refused the credentials ({_reason(exc)})",
+            "Put the right user and password in the URL: redis://USER:PASSWORD@host:port/0",
+        )
+    if isinstance(exc, InvalidResponse):
+        return (
+            f"what answers there does not speak the Redis protocol ({_reason(exc)})",
+            "Check that the URL points at a Redis server, not another kind of server",
+        )
+    return None
+
+
+def _command_error(url: str, exc: ResponseError) -> RedisCommandError:
+    # redis-py strips the error code from the replies it has classes for.
+    code = next((c for cls, c in _CODED if isinstance(exc, cls)), None)
+    reply = _reason(exc)
+    wrapped = _IN_SCRIPT.search(reply)  # Redis 6.2: "Error running script (...): -OOM ..."
+    if wrapped:
+        code, reply = wrapped.group(1), f"{wrapped.group(1)} {wrapped.group(2)}"
+    elif code is None:
+        code = reply.split(" ", 1)[0].upper()
+    else:
+        reply = f"{code} {reply}"
+    return RedisCommandError(url, reply, _ADVICE.get(code, _UNKNOWN_REPLY))
+
+
 def _retryable_read(exc: BaseException) -> bool:
-    return isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError) and not _not_sent(exc)
+    """A connection that broke (a restarted server) is worth one more try; a server that
+    did not answer in time is not (the try would take as long again)."""
+    if isinstance(exc, RedisTimeoutError | TimeoutError):
+        return False
+    return isinstance(exc, RedisConnectionError | OSError) and not _not_sent(exc)
 
 
 def _operation(fn: Callable[..., Any]) -> str:
@@ -162,16 +183,29 @@ def reads(
 ) -> Callable[Concatenate[S, P], Coroutine[Any, Any, R]]:
     """Mark a call that only reads: transport errors map to RedisUnavailable, and a
     connection that broke after the command was sent is tried once more."""
+    return _read(fn, tries=2)
 
+
+def reads_once(
+    fn: Callable[Concatenate[S, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[S, P], Coroutine[Any, Any, R]]:
+    """Mark a read that is not tried again: one that waits (a result), where a second try
+    would start the caller's whole wait over."""
+    return _read(fn, tries=1)
+
+
+def _read(
+    fn: Callable[Concatenate[S, P], Coroutine[Any, Any, R]], tries: int
+) -> Callable[Concatenate[S, P], Coroutine[Any, Any, R]]:
     @functools.wraps(fn)
     async def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        for attempt in (1, 2):
+        for attempt in range(1, tries + 1):
             try:
                 return await fn(self, *args, **kwargs)
             except SluiceError:
                 raise
             except TRANSPORT_ERRORS as exc:
-                if attempt == 2 or not _retryable_read(exc):
+                if attempt == tries or not _retryable_read(exc):
                     raise translate(self.redis, exc, operation=None) from exc
                 log.info("Redis connection broke during a read (%s); trying once more", _reason(exc))
         raise AssertionError("unreachable")  # pragma: no cover
