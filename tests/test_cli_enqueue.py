@@ -64,7 +64,10 @@ async def test_every_option_reaches_the_job(redis: Redis, redis_url: str, prefix
 
 async def test_no_result_in_time_says_what_to_do(redis_url: str, prefix: str) -> None:
     where = ["-q", "late", "--prefix", prefix, "--redis", redis_url]
-    out = (await invoke("enqueue", "x", "--any-name", "--wait", "0.2", *where, code=1)).stderr
+    note, out = (await invoke("enqueue", "x", "--any-name", "--wait", "0.2", *where, code=1)).stderr.split(
+        "\n", 1
+    )
+    assert note.startswith("job 1 added to queue late") and note.endswith("waiting for its result")
     assert out.startswith("error: job 1 has no result yet (it is waiting) and goes on; wait longer (--wait)")
     assert f"`sluice info --queue late --prefix {prefix}`" in out
 
@@ -104,12 +107,14 @@ async def test_wait_prints_the_result_or_a_rejection_in_cli_words(
     where = ["-q", "wait", "--prefix", prefix, "--redis", redis_url]
     async with running(serving_worker("wait", prefix), redis_url):
         done = await invoke("enqueue", "summarize", '{"text": "hello world"}', "--wait", "10", *where)
-        assert "job 1 added" in done.stdout and '{"summary":"hello"}' in done.stdout
+        # The result alone on stdout (for pipes); the note on stderr
+        assert done.stdout == '{"summary":"hello"}\n' and "job 1 added" in done.stderr
         data = json.loads(
             (await invoke("enqueue", "summarize", '{"text": "abc"}', "--wait", "10", "--json", *where)).stdout
         )
         assert data == {"ids": ["2"], "added": 1, "existing": 0, "result": {"summary": "abc"}}
-        failed = (await invoke("enqueue", "fail", "--wait", "10", *where, code=1)).stderr
+        note, failed = (await invoke("enqueue", "fail", "--wait", "10", *where, code=1)).stderr.split("\n", 1)
+        assert note.startswith("job 3 added")
         assert failed.startswith(
             "error: job 3 failed and is in the dead-letter queue: PermanentError: the model"
         )
@@ -117,7 +122,7 @@ async def test_wait_prints_the_result_or_a_rejection_in_cli_words(
         rejected = await invoke(
             "enqueue", "summarize", "--tokens", "500", "--budget", "small", "--wait", "10", *where, code=1
         )
-    line = rejected.stderr.strip()
+    line = rejected.stderr.strip().split("\n", 1)[1]
     assert line.startswith("error: job 4 was rejected: budget small cannot admit 500 tokens"), line
     assert f"`sluice budget top-up small N --queue wait --prefix {prefix}`" in line
     assert "--on-exhausted wait" in line and "on_exhausted" not in line and "queue.budgets" not in line

@@ -93,7 +93,7 @@ class MissingExtra(SluiceError, ImportError):
 
     def __init__(self, extra: str, feature: str, missing: str, alternative: str = "") -> None:
         super().__init__(
-            f"{feature} needs the {extra!r} extra ({missing} is not installed): "
+            f"the {extra!r} extra is needed for {feature} ({missing} is not installed): "
             f"pip install 'sluice-queue[{extra}]'" + (f"; {alternative}" if alternative else "")
         )
         self.extra = extra

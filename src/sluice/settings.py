@@ -107,6 +107,7 @@ class Settings:
         """Read and check the variables of :data:`ENVIRONMENT`; a bad value names its variable."""
         env = os.environ if environ is None else environ
         level = env.get(ENV_LOG_LEVEL, "info").strip().lower() or "info"
+        level = {"warn": "warning"}.get(level, level)
         if level not in _LEVELS:
             raise ConfigurationError(f"{ENV_LOG_LEVEL}={level!r}: use one of {', '.join(_LEVELS)}")
         fmt = env.get(ENV_LOG_FORMAT, "console").strip().lower() or "console"
@@ -114,7 +115,7 @@ class Settings:
             raise ConfigurationError(f"{ENV_LOG_FORMAT}={fmt!r}: use console or json")
         debug = env.get(ENV_DEBUG, "").strip().lower()
         if debug not in _TRUE + _FALSE:
-            raise ConfigurationError(f"{ENV_DEBUG}={debug!r}: use 1 or 0")
+            raise ConfigurationError(f"{ENV_DEBUG}={debug!r}: use 1 or 0 (or true/false, yes/no, on/off)")
         return cls(
             redis_url=env.get(ENV_REDIS_URL) or None,
             home=Path(env.get(ENV_HOME) or DEFAULT_HOME),

@@ -51,7 +51,7 @@ TokensArg = Annotated[
     ),
 ]
 WideOpt = Annotated[
-    bool, typer.Option("--wide", help="Also the parent and the counters (needs ~130 columns).")
+    bool, typer.Option("--wide", help="Also the parent and the counters (needs ~125 columns).")
 ]
 
 
@@ -102,21 +102,24 @@ def budget_table(budgets: list[BudgetState], title: str, *, wide: bool = False) 
     to three figures (1.23M); --wide gives exact counts, the parent and the counters."""
     now = now_ms()
     table = plain_table(title)
-    table.add_column("budget", overflow="fold", min_width=8)
+    # --wide is for a wide terminal: names and numbers stay whole there, never folded.
+    table.add_column("budget", overflow="fold", min_width=8, no_wrap=wide)
     for col in ("limit", "used", "remaining"):
         table.add_column(col, justify="right", no_wrap=True)
     table.add_column("window", no_wrap=True)
-    table.add_column("resets in" if not wide else "window turns / frees", no_wrap=True)
+    table.add_column("resets in" if not wide else "turns / frees (UTC)", no_wrap=True)
     if wide:
-        table.add_column("parent")
+        table.add_column("parent", no_wrap=True)
         for col in ("accepted", "rejected", "unknown", "parked"):
-            table.add_column(col, justify="right")
+            table.add_column(col, justify="right", no_wrap=True)
     for depth, b in _tree(budgets):
         row = [
             ("  " * (depth - 1) + "└─" if depth else "") + b.name,
             *(_tokens(n, wide) for n in (b.limit, b.used, b.remaining)),
             _window(b),
-            utc(b.resets_at_ms, seconds_only=True) if wide else _until(b.resets_at_ms, now),
+            utc(b.resets_at_ms, seconds_only=True).removesuffix(" UTC")
+            if wide
+            else _until(b.resets_at_ms, now),
         ]
         if wide:
             row.append(b.parent or "-")

@@ -236,4 +236,5 @@ def _say_added(added: list[Job], target: Target, waiting: bool = False) -> None:
             f"; {len(added) - new:,} already existed (same idempotency key)" if new < len(added) else ""
         )
         text = f"added {new:,} job(s) to {target.describe()}{existing}"
-    stdout().print(text, soft_wrap=True)
+    # With --wait the result is the output, on stdout alone; the note goes to stderr.
+    (stderr() if waiting else stdout()).print(text, soft_wrap=True)

@@ -106,6 +106,12 @@ def _job_failed(exc: JobFailed, where: Target) -> str:
 
 def _result_timeout(exc: ResultTimeout, where: Target) -> str:
     flags = where.flags()
+    if exc.state == "parked":
+        return (
+            f"job {exc.job_id} has no result yet: it is parked, waiting for room in its budget, and "
+            f"goes on; top the budget up (`sluice budget top-up`) or wait for its window to turn "
+            f"(`sluice budget list{flags}` shows when)"
+        )
     return (
         f"job {exc.job_id} has no result yet (it is {exc.state or 'unknown'}) and goes on; wait longer "
         f"(--wait), follow it with `sluice show {exc.job_id}{flags}`, and check that a worker serves "

@@ -82,6 +82,16 @@ def info(
         console.print("no worker has served this queue yet; start one with `sluice worker module:worker`")
 
 
+#: Counters whose name alone would mislead: they count attempts, or jobs as they died.
+_COUNTER_LABELS = {
+    "failed": "failed attempts",
+    "retried": "retries",
+    "stalled": "stalls",
+    "dead_total": "dead (ever)",
+    "unknown_outcome": "unknown outcomes",
+}
+
+
 def _counts_table(counts: dict[str, int], target: Target) -> RenderableType:
     table = plain_table(target.describe())
     for col in ("jobs now", "", "since the queue began", ""):
@@ -90,7 +100,10 @@ def _counts_table(counts: dict[str, int], target: Target) -> RenderableType:
     for i, counter in enumerate(totals):
         live = LIVE[i] if i < len(LIVE) else ""
         table.add_row(
-            live, f"{counts[live]:,}" if live else "", counter.replace("_", " "), f"{counts[counter]:,}"
+            live,
+            f"{counts[live]:,}" if live else "",
+            _COUNTER_LABELS.get(counter, counter.replace("_", " ")),
+            f"{counts[counter]:,}",
         )
     return table
 

@@ -24,7 +24,8 @@ def stdout() -> Console:
 
 
 def stderr() -> Console:
-    return Console(stderr=True)
+    # Notes and errors: a URL or a command in one must never be cut in two by a line break.
+    return Console(stderr=True, soft_wrap=True)
 
 
 def note(text: str) -> None:

@@ -43,7 +43,11 @@ def load_worker(target: str) -> Worker:
         raise ConfigurationError(
             f"importing {module_name!r} raised {type(exc).__name__}: {exc} (--debug shows the traceback)"
         ) from exc
-    obj = getattr(module, attr, None)
+    if not hasattr(module, attr):
+        raise ConfigurationError(
+            f"module {module_name!r} has no {attr!r}; name the Worker, e.g. {module_name}:worker"
+        )
+    obj = getattr(module, attr)
     if not isinstance(obj, Worker):
         raise ConfigurationError(f"{target} is {type(obj).__name__}, not a sluice.Worker")
     return obj

@@ -8,7 +8,6 @@ where ``ps`` would show a password to every user of the machine.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -41,14 +40,14 @@ def worker_process(
     worker_id: str,
     target: str,
     *,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str],
     stderr: int | IO[Any] | None = subprocess.DEVNULL,
 ) -> subprocess.Popen[bytes]:
     """Start one worker process on ``url`` in a session of its own (a signal meant for the
-    caller does not reach it); ``env`` replaces the caller's environment, the URL added."""
+    caller does not reach it), with ``env`` (pass the caller's) and the URL added."""
     return subprocess.Popen(
         worker_argv(queue, concurrency, worker_id, target),
-        env={**(os.environ if env is None else env), ENV_REDIS_URL: url},
+        env={**env, ENV_REDIS_URL: url},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=stderr,
