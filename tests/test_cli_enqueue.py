@@ -8,7 +8,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from sluice import JobContext, PermanentError, Queue, Worker
-from sluice.cli.enqueue_cmd import SLICE
+from sluice.cli.enqueue_cmd import PROGRESS_FROM
 from tests.conftest import eventually, running
 from tests.test_cli import invoke
 
@@ -186,14 +186,14 @@ async def test_a_large_file_is_checked_whole_before_slices_are_added(
     q = Queue("large", redis=redis, prefix=prefix)
     await q.budgets.create("team", 10**6)
     where = ["-q", "large", "--prefix", prefix, "--redis", redis_url]
-    lines = ['{"name": "a", "budget": "team", "tokens": 1}'] * (SLICE + 5)
+    lines = ['{"name": "a", "budget": "team", "tokens": 1}'] * (PROGRESS_FROM + 5)
     late = _write(tmp_path / "late.jsonl", [*lines, '{"name": "a", "budget": "late"}'])
     out = await invoke("enqueue", "--file", late, *where, code=1)
-    assert f"line {SLICE + 6} names budget 'late'" in out.stderr
+    assert f"line {PROGRESS_FROM + 6} names budget 'late'" in out.stderr
     assert (await q.counts())["added"] == 0
     out = await invoke("enqueue", "--file", _write(tmp_path / "ok.jsonl", lines), *where)
-    assert f"added {SLICE + 5:,} job(s)" in out.stdout
-    assert (await q.counts())["waiting"] == SLICE + 5
+    assert f"added {PROGRESS_FROM + 5:,} job(s)" in out.stdout
+    assert (await q.counts())["waiting"] == PROGRESS_FROM + 5
 
 
 async def test_unknown_names_in_a_file_are_refused(

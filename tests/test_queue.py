@@ -60,7 +60,9 @@ async def test_waiting_order_is_priority_then_fifo(queue: Queue) -> None:
 
 
 async def test_add_bulk_spans_many_script_calls(queue: Queue) -> None:
-    jobs = await queue.add_bulk(JobSpec("j", i) for i in range(2500))
+    done: list[int] = []
+    jobs = await queue.add_bulk((JobSpec("j", i) for i in range(2500)), progress=done.append)
+    assert done == [1000, 2000, 2500]  # one report per script call
     assert len({j.id for j in jobs}) == 2500
     assert (await queue.counts())["waiting"] == 2500
     records = await queue.get_jobs([jobs[0].id, jobs[-1].id])

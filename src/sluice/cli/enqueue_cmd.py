@@ -20,8 +20,8 @@ from sluice.engine.queue import BULK_CHUNK
 from sluice.errors import BudgetNotFound, InvalidJobError, JobRejected
 from sluice.settings import DEFAULT_PREFIX, DEFAULT_QUEUE
 
-#: Jobs per add_bulk call when a file is large enough to show progress.
-SLICE = 10 * BULK_CHUNK
+#: Files of more jobs than this show a progress bar while they are added.
+PROGRESS_FROM = 10 * BULK_CHUNK
 
 
 class OnExhausted(enum.StrEnum):
@@ -206,23 +206,14 @@ async def _check_names(q: Queue, target: Target, jobs: list[Line], source: str, 
 
 
 async def _add_all(q: Queue, specs: list[JobSpec]) -> list[Job]:
-    """One add_bulk call, or slices of them with a progress bar (after checking every budget first,
-    so that a missing one still adds nothing)."""
-    if len(specs) <= SLICE:
+    """One add_bulk call (all or nothing), with a progress bar for a large file."""
+    if len(specs) <= PROGRESS_FROM:
         return await q.add_bulk(specs)
-    names = sorted({s.budget for s in specs if s.budget is not None})
-    for budget, state in zip(names, await q.budgets.get_many(names), strict=True):
-        if state is None:
-            raise BudgetNotFound(budget)
     console = stderr()
     columns = (TextColumn("adding jobs"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    added: list[Job] = []
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("add", total=len(specs))
-        for start in range(0, len(specs), SLICE):
-            added += await q.add_bulk(specs[start : start + SLICE])
-            bar.update(task, completed=len(added))
-    return added
+        return await q.add_bulk(specs, progress=lambda done: bar.update(task, completed=done))
 
 
 def _say_added(added: list[Job], target: Target, waiting: bool = False) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sluice.engine.admin import QueueAdmin
@@ -202,17 +202,23 @@ class Queue(QueueAdmin, FlowControl):
         return (await self._add_many([spec]))[0]
 
     @writes
-    async def add_bulk(self, specs: Iterable[JobSpec]) -> list[Job]:
+    async def add_bulk(
+        self, specs: Iterable[JobSpec], *, progress: Callable[[int], None] | None = None
+    ) -> list[Job]:
         """Add many jobs in few round trips; every spec is checked before any is written.
 
         Raises :class:`~sluice.errors.BudgetNotFound` if a job names a budget
         that does not exist (none of that call's jobs are added), and
         :class:`~sluice.errors.OutcomeUnknown` if the connection broke after
         the jobs were sent: add them again only with idempotency keys.
+        ``progress`` is called with the number of jobs added so far after
+        each script call (of at most BULK_CHUNK jobs), for a progress bar.
         """
-        return await self._add_many(specs)
+        return await self._add_many(specs, progress)
 
-    async def _add_many(self, specs: Iterable[JobSpec]) -> list[Job]:
+    async def _add_many(
+        self, specs: Iterable[JobSpec], progress: Callable[[int], None] | None = None
+    ) -> list[Job]:
         specs = list(specs)
         for i, spec in enumerate(specs):
             if not isinstance(spec, JobSpec):
@@ -225,6 +231,8 @@ class Queue(QueueAdmin, FlowControl):
             jobs.extend(
                 await self._add_chunk(specs[start : start + BULK_CHUNK], encoded[start : start + BULK_CHUNK])
             )
+            if progress is not None:
+                progress(len(jobs))
         return jobs
 
     def _encode(self, spec: JobSpec) -> list[bytes | str | int]:

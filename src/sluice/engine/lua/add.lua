@@ -24,9 +24,13 @@ local now = tonumber(ARGV[1])
 local maxlen = ARGV[2]
 local idem_ttl = tonumber(ARGV[3])
 local n = tonumber(ARGV[4])
+local checked = {}
 for i = 1, n do
   local budget = ARGV[5 + 12 * (i - 1) + 9]
-  if budget ~= '' and redis.call('EXISTS', KEYS[8] .. budget) == 0 then return {-1, budget} end
+  if budget ~= '' and not checked[budget] then
+    if redis.call('EXISTS', KEYS[8] .. budget) == 0 then return {-1, budget} end
+    checked[budget] = true
+  end
 end
 
 local out = {}
