@@ -8,6 +8,7 @@ generator is deterministic inside Redis and would make every job agree.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any, Literal
 
 import orjson
 
+from sluice.engine.codec import dumps
 from sluice.errors import InvalidJobError
 
 BackoffKind = Literal["exponential", "fixed"]
@@ -64,7 +66,7 @@ class Backoff:
         return base * (1.0 - self.jitter * rand())
 
     def to_json(self) -> bytes:
-        return orjson.dumps([self.kind, self.delay, self.max_delay, self.jitter])
+        return _to_json(self)
 
     @classmethod
     def from_json(cls, data: bytes | str) -> Backoff:
@@ -72,6 +74,12 @@ class Backoff:
         if not (isinstance(raw, list) and len(raw) == 4):
             raise ValueError(f"backoff must be a 4-item list, got {raw!r}")
         return cls(raw[0], float(raw[1]), float(raw[2]), float(raw[3]))
+
+
+@functools.lru_cache(maxsize=256)
+def _to_json(backoff: Backoff) -> bytes:
+    """One encoding per distinct backoff (most jobs share one), written once, not once a job."""
+    return dumps([backoff.kind, backoff.delay, backoff.max_delay, backoff.jitter])
 
 
 DEFAULT_BACKOFF = Backoff()
