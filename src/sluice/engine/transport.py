@@ -30,15 +30,20 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     AuthorizationError,
     BusyLoadingError,
+    ClusterCrossSlotError,
+    ClusterDownError,
     InvalidResponse,
+    MovedError,
     NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
     RedisError,
     ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -77,9 +82,25 @@ _ADVICE = {
     "there; give Sluice a prefix of its own",
     "BUSY": "Redis is running a long script; wait, or end it with SCRIPT KILL",
     "MISCONF": "Redis cannot persist its data (see its log); fix the disk or its save settings",
+    "MOVED": "The URL points at a Redis Cluster node but the client talks to one server only: "
+    "build it with sluice's connect(url), or pass a redis.asyncio.RedisCluster",
+    "ASK": "The URL points at a Redis Cluster node but the client talks to one server only: "
+    "build it with sluice's connect(url), or pass a redis.asyncio.RedisCluster",
+    "CLUSTERDOWN": "The Redis Cluster is down or electing a new master; retry in a moment, or check "
+    "that every slot has a master (redis-cli --cluster check)",
+    "TRYAGAIN": "The queue's slot is being moved between cluster nodes; retry in a moment",
 }
 _IN_SCRIPT = re.compile(r"^Error running script .*?: -([A-Z]+) (.*)$")
-_CODED = ((OutOfMemoryError, "OOM"), (ReadOnlyError, "READONLY"), (NoPermissionError, "NOPERM"))
+_CODED = (
+    (OutOfMemoryError, "OOM"),
+    (ReadOnlyError, "READONLY"),
+    (NoPermissionError, "NOPERM"),
+    (MovedError, "MOVED"),  # before AskError, of which it is a subclass
+    (AskError, "ASK"),
+    (ClusterDownError, "CLUSTERDOWN"),
+    (TryAgainError, "TRYAGAIN"),
+    (ClusterCrossSlotError, "CROSSSLOT"),
+)
 _UNKNOWN_REPLY = (
     "This is not expected: report it with the message at the Sluice issue tracker "
     "(Sluice needs Redis 6.2 or newer)"
