@@ -327,9 +327,11 @@ def test_worker_configuration_errors() -> None:
     with pytest.raises(ConfigurationError, match="queue name"):
         Worker("bad name with spaces")
     w = Worker("q")
-    with pytest.raises(ConfigurationError, match="async function"):
-        w.register("sync", lambda job: None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(ConfigurationError, match="must be a function"):
+        w.register("not a function", 42)  # type: ignore[arg-type]
+    w.register("sync", lambda job: None)  # a plain function runs in a thread (tests/test_timeouts.py)
     w.register("one", _returns_one)
+    assert w.is_sync("sync") and not w.is_sync("one")
     with pytest.raises(ConfigurationError, match="already registered"):
         w.register("one", _returns_two)
 

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from typing import Annotated
 
@@ -18,6 +19,7 @@ from sluice.cli.options import CONNECTION, RedisOpt, at_least, checked_name
 from sluice.cli.output import stderr
 from sluice.cli.runtime import run
 from sluice.cli.server import redis_url
+from sluice.engine.watchdog import EXIT_HARD_STOPPED
 from sluice.engine.worker import Worker
 from sluice.errors import ConfigurationError
 from sluice.settings import ENV_REDIS_URL
@@ -92,6 +94,16 @@ def worker(
             rich_help_panel=SETTINGS,
         ),
     ] = None,
+    hard_grace: Annotated[
+        float | None,
+        typer.Option(
+            callback=at_least(0.001, "the hard grace must be more than 0 seconds"),
+            help="Seconds an attempt may go on past its timeout (blocking the event loop, ignoring "
+            "its cancellation, or in a thread that does not return) before its process is ended; "
+            "the job is retried, and --processes starts a new process.",
+            rich_help_panel=SETTINGS,
+        ),
+    ] = None,
     worker_id: Annotated[
         str | None,
         typer.Option(
@@ -123,8 +135,9 @@ def worker(
 
     SIGTERM or Ctrl-C stops taking jobs and lets running ones finish within the
     shutdown grace; a second signal releases them back to waiting at once.
-    With --processes N, this process supervises N worker processes and passes
-    signals on to them.
+    With --processes N, this process supervises N worker processes, passes
+    signals on to them, and starts a new one in place of any that its watchdog
+    ended (exit code 75: a handler overran its timeout by the hard grace).
     """
     # Stopped before it serves: nothing runs yet, so that is a clean stop (exit 0), which is
     # what a service manager stopping a unit that is still starting should see.
@@ -138,6 +151,7 @@ def worker(
         "--lease": lease,
         "--shutdown-grace": shutdown_grace,
         "--timeout": timeout,
+        "--hard-grace": hard_grace,
         "--queue": queue,
         "--prefix": prefix,
     }
@@ -149,6 +163,7 @@ def worker(
         lease=lease,
         shutdown_grace=shutdown_grace,
         timeout=timeout,
+        hard_grace=hard_grace,
     )
     with redis_url(redis, stderr()) as url:
         if processes > 1:
@@ -170,45 +185,103 @@ def _supervise(
     target: str, processes: int, url: str, settings: Mapping[str, object], worker_id: str | None, debug: bool
 ) -> int:
     """Start N single-process workers with the same settings and pass signals on to them."""
-    children: list[subprocess.Popen[bytes]] = []
-    #: every signal passed on, in order; and how many of them each child has been sent
-    forwarded: list[int] = []
-    sent: dict[int, int] = {}
+    argv = [sys.executable, "-m", "sluice", *(["--debug"] if debug else []), "worker", target]
+    for option, value in settings.items():
+        if value is not None:
+            argv += [option, str(value)]
+    # The URL goes in the environment, not on the command line, where `ps` would show its password.
+    supervisor = _Supervisor(argv, {**os.environ, ENV_REDIS_URL: url}, worker_id)
+    # Before the first child starts: a signal in between must reach the children, not end us.
+    signal.signal(signal.SIGTERM, supervisor.forward)
+    signal.signal(signal.SIGINT, supervisor.forward)
+    for slot in range(processes):
+        if supervisor.forwarded:
+            break  # told to stop while starting: start no more
+        supervisor.start(slot)
+    return supervisor.wait()
 
-    def catch_up(child: subprocess.Popen[bytes]) -> None:
-        for signum in forwarded[sent.get(child.pid, 0) :]:
+
+class _Supervisor:
+    """The worker processes of ``sluice worker --processes N``, one per slot.
+
+    A child that its watchdog ended (exit code 75: a handler overran its
+    timeout by the hard grace, and nothing short of that could stop it) is
+    replaced at once unless a stop was asked for: the overrunning job was
+    reported and the child's other jobs released before it exited, so the new
+    process can take them. A child that exits otherwise is not replaced (a
+    crash at start would crash again): it is logged, and the others go on.
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str], worker_id: str | None) -> None:
+        self.argv = argv
+        self.env = env
+        self.worker_id = worker_id
+        #: the current process of each slot (slot i runs worker id <worker_id>-<i + 1>)
+        self.children: list[subprocess.Popen[bytes]] = []
+        #: every signal passed on, in order; and how many of them each child has been sent
+        self.forwarded: list[int] = []
+        self.sent: dict[int, int] = {}
+        #: exit code of each slot whose last process ended and was not replaced
+        self.codes: dict[int, int] = {}
+        self.log = structlog.get_logger("sluice.cli")
+
+    def start(self, slot: int) -> subprocess.Popen[bytes]:
+        argv = [*self.argv]
+        if self.worker_id is not None:
+            argv += ["--worker-id", f"{self.worker_id}-{slot + 1}"]
+        # A session of their own: a Ctrl-C reaches them once, through forward(), not twice.
+        child = subprocess.Popen(argv, env=self.env, start_new_session=True)  # noqa: S603 - our own CLI
+        if slot < len(self.children):
+            self.children[slot] = child
+        else:
+            self.children.append(child)
+        self.catch_up(child)  # a signal that came while it was being started, exactly once
+        return child
+
+    def catch_up(self, child: subprocess.Popen[bytes]) -> None:
+        for signum in self.forwarded[self.sent.get(child.pid, 0) :]:
             if child.poll() is None:
                 child.send_signal(signum)
-        sent[child.pid] = len(forwarded)
+        self.sent[child.pid] = len(self.forwarded)
 
-    def forward(signum: int, _frame: object) -> None:
-        forwarded.append(signum)
-        for child in children:
-            catch_up(child)
+    def forward(self, signum: int, _frame: object) -> None:
+        self.forwarded.append(signum)
+        for child in self.children:
+            self.catch_up(child)
 
-    # Before the first child starts: a signal in between must reach the children, not end us.
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    # The URL goes in the environment, not on the command line, where `ps` would show its password.
-    env = {**os.environ, ENV_REDIS_URL: url}
-    for i in range(processes):
-        if forwarded:
-            break  # told to stop while starting: start no more
-        argv = [sys.executable, "-m", "sluice", *(["--debug"] if debug else []), "worker", target]
-        for option, value in settings.items():
-            if value is not None:
-                argv += [option, str(value)]
-        if worker_id is not None:
-            argv += ["--worker-id", f"{worker_id}-{i + 1}"]
-        # A session of their own: a Ctrl-C reaches them once, through forward(), not twice.
-        child = subprocess.Popen(argv, env=env, start_new_session=True)  # noqa: S603 - our own CLI
-        children.append(child)
-        catch_up(child)  # a signal that came while it was being started, exactly once
-    codes = [child.wait() for child in children]
-    # A child that the signal we passed on ended while it was still starting (killed by it,
-    # or exiting 128 + its number) stopped as asked; any other signal or code is a failure.
-    stopped = {-s for s in forwarded} | {128 + s for s in forwarded}
-    return max((0 if code in stopped else 128 - code if code < 0 else code for code in codes), default=0)
+    def wait(self) -> int:
+        """Wait for every slot to end (replacing children stopped hard); the exit code."""
+        while len(self.codes) < len(self.children):
+            time.sleep(0.1)
+            for slot, child in enumerate(self.children):
+                code = None if slot in self.codes else child.poll()
+                if code is not None:
+                    self._ended(slot, child, code)
+        # A child that the signal we passed on ended while it was still starting (killed by it,
+        # or exiting 128 + its number) stopped as asked; any other signal or code is a failure.
+        stopped = {-s for s in self.forwarded} | {128 + s for s in self.forwarded}
+        codes = self.codes.values()
+        return max((0 if code in stopped else 128 - code if code < 0 else code for code in codes), default=0)
+
+    def _ended(self, slot: int, child: subprocess.Popen[bytes], code: int) -> None:
+        if code == EXIT_HARD_STOPPED and not self.forwarded:
+            new = self.start(slot)
+            self.log.warning(
+                f"worker process {child.pid} was ended by its watchdog (a handler overran its "
+                f"timeout by the hard grace); process {new.pid} takes its place",
+                pid=child.pid,
+                exit_code=code,
+                new_pid=new.pid,
+            )
+            return
+        self.codes[slot] = code
+        if code != 0 and not self.forwarded:
+            self.log.error(
+                f"worker process {child.pid} exited with code {code}; it is not replaced, and the "
+                f"other {len(self.children) - len(self.codes)} go on",
+                pid=child.pid,
+                exit_code=code,
+            )
 
 
 def _stopped_before_start(signum: int, _frame: object) -> None:

@@ -17,6 +17,7 @@ from sluice.engine.connection import connect
 from sluice.engine.context import JobContext
 from sluice.engine.keys import check_name
 from sluice.engine.queue import Queue
+from sluice.engine.watchdog import DEFAULT_HARD_GRACE, DEFAULT_LOOP_BLOCK_WARNING
 from sluice.errors import ConfigurationError
 from sluice.settings import (
     DEFAULT_CONCURRENCY,
@@ -30,8 +31,13 @@ from sluice.settings import (
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
 
-Handler = Callable[[JobContext], Awaitable[Any]]
+#: ``async def handler(job)``: runs on the worker's event loop, and is cancelled at its timeout.
+AsyncHandler = Callable[[JobContext], Awaitable[Any]]
+#: ``def handler(job)``: runs in a thread of the worker's own, so blocking calls are fine.
+SyncHandler = Callable[[JobContext], Any]
+Handler = AsyncHandler | SyncHandler
 H = TypeVar("H", bound=Handler)
 
 
@@ -47,11 +53,27 @@ class Worker:
         async def summarize(job: JobContext) -> dict:
             ...
 
+        @worker.handler
+        def resize(job: JobContext) -> str:  # blocking code: runs in a thread
+            ...
+
     ``lease``: seconds a job stays leased without renewal; the worker renews
     every third of it, and a job whose worker died is run again after it
     expires. ``timeout``: default seconds per attempt (jobs may set their own;
     None = no limit). ``shutdown_grace``: seconds in-flight jobs get to finish
     on SIGTERM before they are released back to waiting.
+
+    ``hard_grace``: seconds past its timeout an attempt may go on before the
+    worker stops it by ending its process: a handler that blocks the event
+    loop, ignores its cancellation, or runs in a thread that does not return
+    cannot be stopped any other way. The attempt is recorded as failed (and
+    retried as its job allows), the process's other jobs go back to waiting,
+    and the process exits with code 75 (``sluice worker --processes N``
+    starts a new one). None: never stop hard, only log. ``loop_block_warning``:
+    seconds the event loop may be blocked before the worker logs it, with the
+    job and the line that blocked it (None: never). Both are watched by a
+    thread of the worker's own (engine/watchdog.py), since the event loop may
+    be the thing that is stuck.
     """
 
     def __init__(
@@ -68,7 +90,11 @@ class Worker:
         worker_id: str | None = None,
         keep_finished: float = DEFAULT_KEEP_FINISHED,
         events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
+        hard_grace: float | None = DEFAULT_HARD_GRACE,
+        loop_block_warning: float | None = DEFAULT_LOOP_BLOCK_WARNING,
     ) -> None:
+        self.hard_grace = _optional_seconds("hard_grace", hard_grace, None)
+        self.loop_block_warning = _optional_seconds("loop_block_warning", loop_block_warning, None)
         self.queue_name = queue
         self.prefix = prefix
         self.concurrency = concurrency
@@ -81,6 +107,8 @@ class Worker:
         self.events_maxlen = events_maxlen
         self.configure(reap_interval=reap_interval)
         self._handlers: dict[str, Handler] = {}
+        #: names of the handlers that are plain functions, run in threads
+        self._sync: set[str] = set()
         self._runner: Any = None
         for name, fn in (handlers or {}).items():
             self.register(name, fn)
@@ -96,9 +124,13 @@ class Worker:
         shutdown_grace: float | None = None,
         reap_interval: float | None = None,
         worker_id: str | None = None,
+        hard_grace: float | None = None,
+        loop_block_warning: float | None = None,
     ) -> Worker:
         """Change settings before :meth:`run` (``sluice worker --lease ...`` does);
-        every value is checked, and the lease's reap interval follows a new lease."""
+        every value is checked, and the lease's reap interval follows a new lease.
+        None leaves a setting as it is (pass ``hard_grace=None`` to the constructor
+        to turn the hard stop off)."""
         queue = self.queue_name if queue is None else queue
         prefix = self.prefix if prefix is None else prefix
         concurrency = self.concurrency if concurrency is None else concurrency
@@ -120,6 +152,10 @@ class Worker:
             raise ConfigurationError(f"reap_interval must be > 0 seconds, got {reap_interval!r}")
         if worker_id is not None and (not isinstance(worker_id, str) or not worker_id):
             raise ConfigurationError(f"worker_id must be a non-empty string, got {worker_id!r}")
+        self.hard_grace = _optional_seconds("hard_grace", hard_grace, self.hard_grace)
+        self.loop_block_warning = _optional_seconds(
+            "loop_block_warning", loop_block_warning, self.loop_block_warning
+        )
         self.queue_name, self.prefix, self.concurrency = queue, prefix, concurrency
         if reap_interval is None and (lease != self.lease or not self.reap_interval):
             reap_interval = min(max(lease / 2, 0.05), 5.0)
@@ -132,16 +168,32 @@ class Worker:
 
     # ---- handlers --------------------------------------------------------------
     def register(self, name: str, fn: Handler) -> None:
+        """Make ``fn`` the handler of jobs named ``name``.
+
+        ``async def`` handlers run on the worker's event loop: they must not
+        block it (a blocked loop stalls every job of the process, and is
+        logged). A plain ``def`` runs in a thread of the worker's own, one per
+        concurrent job, so it may block (HTTP clients, SDKs, CPU work that
+        releases the GIL); it cannot await, it cannot be interrupted (at its
+        timeout ``job.stop_requested`` turns true, and past ``hard_grace`` the
+        process is ended), and it holds its slot until it returns.
+        """
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"handler name must be a non-empty string, got {name!r}")
-        if not inspect.iscoroutinefunction(fn):
+        if not callable(fn):
+            raise ConfigurationError(f"handler {name!r} must be a function (def or async def), got {fn!r}")
+        if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
             raise ConfigurationError(
-                f"handler {name!r} must be an async function (async def); wrap blocking code "
-                "in `await asyncio.to_thread(...)`"
+                f"handler {name!r} is a generator function; a handler returns its result (def or async def)"
             )
         if name in self._handlers and self._handlers[name] is not fn:
             raise ConfigurationError(f"a different handler is already registered as {name!r}")
         self._handlers[name] = fn
+        # An object whose __call__ is async is awaited too, not run in a thread.
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+            self._sync.discard(name)
+        else:
+            self._sync.add(name)
 
     @overload
     def handler(self, fn: H, /) -> H: ...
@@ -149,7 +201,8 @@ class Worker:
     def handler(self, fn: None = None, /, *, name: str) -> Callable[[H], H]: ...
 
     def handler(self, fn: H | None = None, /, *, name: str | None = None) -> H | Callable[[H], H]:
-        """Register an async function as the handler of jobs named after it (or ``name``)."""
+        """Register a function (``async def`` or ``def``) as the handler of jobs named after it
+        (or ``name``); see :meth:`register` for what each kind may do."""
 
         def deco(f: H) -> H:
             self.register(name or f.__name__, f)
@@ -164,6 +217,10 @@ class Worker:
     def get_handler(self, name: str) -> Handler | None:
         return self._handlers.get(name)
 
+    def is_sync(self, name: str) -> bool:
+        """Whether the handler of ``name`` is a plain function, run in a thread."""
+        return name in self._sync
+
     def queue(self, redis: Redis, **options: Any) -> Queue:
         """A Queue for this worker's queue that refuses job names it has no handler for."""
         return Queue(
@@ -177,7 +234,7 @@ class Worker:
         )
 
     # ---- running -------------------------------------------------------------------
-    async def run(self, redis: Redis | str, *, handle_signals: bool = True) -> None:
+    async def run(self, redis: Redis | RedisCluster | str, *, handle_signals: bool = True) -> None:
         """Run until :meth:`stop` (or SIGTERM/SIGINT when ``handle_signals``).
 
         A first signal stops taking jobs and gives in-flight ones
@@ -230,3 +287,12 @@ class Worker:
 
 def _seconds(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def _optional_seconds(what: str, value: float | None, current: float | None) -> float | None:
+    """``value`` checked (> 0 seconds), or ``current`` when it is None."""
+    if value is None:
+        return current
+    if not _seconds(value) or value <= 0:
+        raise ConfigurationError(f"{what} must be > 0 seconds or None, got {value!r}")
+    return value
