@@ -18,7 +18,7 @@ docs/architecture.md (Flow control, The token ledger):
   its due time, then takes its place in line by that score; an idempotency
   key that already names a job returns that job (``created`` false).
 * step: outcomes are fenced by state ``active`` and token; ``c`` completes,
-  ``f`` retries (at ``retry_at``, or at once if that is not in the future)
+  ``f`` retries (at ``now + retry_in``, or at once if that is not in the future)
   while ``attempt < max_attempts``, else dead-letters; ``p`` dead-letters;
   ``r`` returns to waiting and uncounts the attempt; ``t`` (throttled) does
   the same and closes the queue until ``now + retry_after`` (never moving an
@@ -114,6 +114,7 @@ COUNTERS = (
     "throttled",
     "rejected",
     "unknown_outcome",
+    "overrun",
 )
 
 #: The budget behind the queue's token-rate limit (docs/architecture.md, "Token rate is a rolling budget").
@@ -330,6 +331,7 @@ class ModelReservation:
     state: str = "held"
     over: int | None = None
     settled: int | None = None
+    caller: bool = False  # made by budgets.reserve: its hold expires (the dispatch script's does not)
 
     def hash(self) -> dict[str, str]:
         h = {
@@ -396,6 +398,8 @@ class Model:
     budgets: dict[str, ModelBudget] = field(default_factory=dict)
     resv: dict[str, ModelReservation] = field(default_factory=dict)
     parkedby: dict[str, float] = field(default_factory=dict)  # budget -> when to retry its parked jobs
+    _retry_cache: dict[str, float] = field(default_factory=dict)  # budget -> retry time, per step
+    stepped: bool = False  # a dispatch call made the queue's epoch
 
     # ---- derived views ---------------------------------------------------------------
     def zset(self, state: str) -> list[tuple[str, int]]:
@@ -492,14 +496,16 @@ class Model:
         outcomes: list[tuple[str, bytes, bytes, bytes, int, int]],
     ) -> tuple[list[int], int, list[LeasedJob]]:
         """Returns (codes, next_due, leased jobs)."""
+        self.stepped = True
         codes = [self._finish(now, *outcome) for outcome in outcomes]
-        for name, at in list(self.parkedby.items()):
+        self._retry_cache = {}
+        self._load_gates(now)
+        for name, at in sorted(self.parkedby.items(), key=lambda e: (e[1], e[0])):
             if at <= now:
-                self._unpark(name)
+                self._unpark(name, now)
         for job in self.jobs.values():
             if job.state == DELAYED and job.run_at <= now:
                 job.state = WAITING
-        self._load_gates(now)
         leased, wait = self._take(now, want, lease_ms, worker)
         # Workers are woken only while the queue is open, or by a caller that took
         # nothing and was told when to come back (it hands the wake-up on).
@@ -584,10 +590,13 @@ class Model:
         """A budget level cannot admit the job's estimate: park it, or reject it."""
         tokens = job.spec.tokens
         if job.spec.on_exhausted == "wait":
+            # One event per wait: a job parked on this budget before (not leased since)
+            # goes back quietly.
+            if job.parked != b.name:
+                self._emit("parked", job.id, "budget", b.name)
             job.state, job.parked = PARKED, b.name
-            at = self._retry_at(b, tokens, now)
+            at = self._cached_retry_at(b, tokens, now)
             self.parkedby[b.name] = min(self.parkedby.get(b.name, INF), at)
-            self._emit("parked", job.id, "budget", b.name)
             return
         left = max(b.limit - b.used, 0)
         self._reject(now, job, f"budget {b.name} cannot admit {tokens} tokens ({left} of {b.limit} left)")
@@ -604,7 +613,7 @@ class Model:
     ) -> LeasedJob:
         job.attempt += 1
         job.token += 1
-        job.state = ACTIVE
+        job.state, job.parked = ACTIVE, None
         job.started = now
         job.worker = worker
         job.deadline = now + lease_ms
@@ -635,17 +644,46 @@ class Model:
             times.append(wait)
         return int(min(times)) if times else -1
 
-    def _unpark(self, name: str) -> int:
-        """Every job parked on budget ``name`` back to waiting, in its place in line."""
-        parked = [self.jobs[i] for i, _ in self.parked_set(name)]
-        for job in parked:
-            job.state, job.parked = WAITING, None
-        self.parkedby.pop(name, None)
-        return len(parked)
+    def _cached_retry_at(self, b: ModelBudget, need: int, now: int) -> float:
+        """_retry_at, computed once per budget per step (for the first need asked)."""
+        if b.name not in self._retry_cache:
+            self._retry_cache[b.name] = self._retry_at(b, need, now)
+        return self._retry_cache[b.name]
+
+    def _unpark(self, name: str, now: int) -> int:
+        """The jobs parked on budget ``name`` that the room of it and every level above it
+        admits go back to waiting, best first (the rest stay); the budget's retry time
+        becomes when the first that did not fit may, or it leaves the schedule once
+        nothing is parked on it. Returns the number moved."""
+        levels, missing = self._chain(name, now)
+        room = None if missing is not None else min(b.limit - b.used for b in levels)
+        moved, taken, blocked = 0, 0, None
+        for job_id, _ in self.parked_set(name):
+            job = self.jobs[job_id]
+            need = job.spec.tokens
+            if room is None or need <= room:
+                if room is not None:
+                    room, taken = room - need, taken + need
+                job.state = WAITING  # job.parked stays: the budget it last waited for
+                moved += 1
+            elif blocked is None:
+                blocked = need
+        if not self.parked_set(name):
+            self.parkedby.pop(name, None)
+        else:
+            assert blocked is not None, "the model never reaches the 100-job bound"
+            # The first that did not fit needs its tokens on top of those moved back.
+            need = taken + blocked
+            refusing = next(b for b in levels if b.used + need > b.limit)
+            self.parkedby[name] = self._cached_retry_at(refusing, need, now)
+        if moved:
+            self._emit("unparked", "", "budget", name)
+        return moved
 
     def _finish(
-        self, now: int, job_id: str, token: bytes, kind: bytes, value: bytes, retry_at: int, usage: int
+        self, now: int, job_id: str, token: bytes, kind: bytes, value: bytes, retry_in: int, usage: int
     ) -> int:
+        retry_at = now + retry_in
         job = self.jobs.get(job_id)
         if job is None:
             return -1
@@ -1021,9 +1059,10 @@ class Model:
             return None
         before = b.limit
         b.limit = tokens if op == "limit" else before + tokens
-        if b.limit > before and self._unpark(name) > 0:
-            self._emit("unparked", "", "budget", name)
-            self._wake_if_waiting()
+        # A raised limit makes the parked jobs due: the next step moves back what fits.
+        if b.limit > before and name in self.parkedby:
+            self.parkedby[name] = now
+            self.wake = True
         return b.limit
 
     def budget_read(self, now: int, name: str) -> dict[str, Any] | None:
@@ -1067,4 +1106,5 @@ class Model:
             refusing.count("rejected")
             return 0, max(own.limit - own.used, 0), refusing.name
         self._charge(rid, job_id, chain, tokens, now)
+        self.resv[rid].caller = True
         return 1, own.limit - own.used, ""

@@ -182,34 +182,30 @@ class WorkerProcs:
         processes: int = 1,
     ) -> WorkerProc:
         env = {
-            **os.environ,
-            "SLUICE_TEST_REDIS": self.redis_url,
-            "SLUICE_TEST_PREFIX": self.prefix,
             "SLUICE_TEST_LEASE": str(lease),
             "SLUICE_TEST_GRACE": str(grace),
             "SLUICE_TEST_REAP": str(reap_interval),
-            "SLUICE_LOG_LEVEL": "info",
         }
-        argv = [
-            sys.executable,
-            "-m",
-            "sluice",
-            "worker",
-            TARGET,
-            "--redis",
-            self.redis_url,
-            "--queue",
-            "q",
-            "--worker-id",
-            worker_id,
-            "--concurrency",
-            str(concurrency),
-            "--processes",
-            str(processes),
-        ]
+        options = ["--concurrency", str(concurrency), "--processes", str(processes)]
+        return self.launch(worker_id, TARGET, *options, env=env)
+
+    def launch(
+        self, worker_id: str, target: str, *options: str, env: dict[str, str] | None = None
+    ) -> WorkerProc:
+        """``sluice worker TARGET`` on queue "q" as ``worker_id``, with the test's Redis and
+        prefix in its environment (``SLUICE_TEST_REDIS``, ``SLUICE_TEST_PREFIX``) and ``env``."""
+        full_env = {
+            **os.environ,
+            "SLUICE_TEST_REDIS": self.redis_url,
+            "SLUICE_TEST_PREFIX": self.prefix,
+            "SLUICE_LOG_LEVEL": "info",
+            **(env or {}),
+        }
+        argv = [sys.executable, "-m", "sluice", "worker", target, "--redis", self.redis_url]
+        argv += ["--queue", "q", "--worker-id", worker_id, *options]
         log_path = self.log_dir / f"worker-{worker_id}.log"
         with log_path.open("wb") as log:
-            popen = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            popen = subprocess.Popen(argv, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT)
         proc = WorkerProc(popen, log_path, worker_id)
         self.procs.append(proc)
         return proc

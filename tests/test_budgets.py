@@ -609,6 +609,84 @@ async def test_a_job_parked_on_a_rolling_budget_comes_back_when_enough_has_left_
     assert ids_of(await step(queue, T + 60_000)) == [second.id]
 
 
+async def test_tokens_given_back_unpark_only_the_jobs_they_admit(redis: Redis, queue: Queue) -> None:
+    # Given a rolling budget of 10 tokens a minute, filled by a caller's reservation,
+    # and five jobs of 3 tokens parked on it
+    b = queue.budgets
+    await b.create("roll", 10, window=60, now=T)
+    assert (await b.reserve("roll", 10, "fill", now=T)).accepted
+    jobs = [await queue.add("llm", tokens=3, budget="roll", on_exhausted="wait") for _ in range(5)]
+    reply = await step(queue, T)
+    assert ids_of(reply) == [] and (await queue.counts())["parked"] == 5
+
+    # When the caller commits 4 of its 10 (6 come back)
+    await b.commit("fill", 4, now=T + 1)
+    reply = await step(queue, T + 2)
+
+    # Then the two that fit run, the other three stay parked (none went back to waiting
+    # only to be parked again), until the commit's 4 tokens leave the window
+    assert ids_of(reply) == [jobs[0].id, jobs[1].id]
+    counts = await queue.counts()
+    assert (counts["parked"], counts["waiting"]) == (3, 0)
+    assert reply.next_due == T + 60_000
+    assert [await j.state() for j in jobs[2:]] == [JobState.PARKED] * 3
+    # and each job said "parked" once, with one "unparked" for the budget
+    entries: Any = await redis.xrange(queue.keys.events, "-", "+")
+    kinds = [f[b"ev"] for _, f in entries]
+    assert (kinds.count(b"parked"), kinds.count(b"unparked")) == (5, 1)
+
+
+async def test_a_full_window_passing_at_once_leaves_in_bounded_steps(queue: Queue) -> None:
+    # Given a rolling budget filled by 2,500 charges of 1 token made at once
+    b = queue.budgets
+    await b.create("roll", 2500, window=60, now=T)
+    for i in range(2500):
+        assert (await b.reserve("roll", 1, f"r{i}", now=T)).accepted
+    # and a job that needs the whole budget, rejected if it does not fit
+    job = await queue.add("llm", tokens=2500, budget="roll")
+
+    # When the window has passed: each call removes at most 1,000 charges, and
+    # until all have left the budget refuses nothing on their account (the job is
+    # not rejected); the worker is told to come back at once
+    calls = []
+    for k in range(5):
+        reply = await step(queue, T + 60_000 + k)
+        calls.append((ids_of(reply), reply.next_due))
+        if ids_of(reply):
+            break
+    assert calls == [([], T + 60_000), ([], T + 60_001), ([job.id], -1)]
+    assert await job.state() is JobState.ACTIVE
+    assert (await b.get("roll", now=T + 60_002)).used == 2500
+
+
+async def test_a_reservation_gets_a_definite_answer_when_a_window_passed_at_once(queue: Queue) -> None:
+    b = queue.budgets
+    await b.create("roll", 2500, window=60, now=T)
+    for i in range(2500):
+        assert (await b.reserve("roll", 1, f"r{i}", now=T)).accepted
+    # 2,500 charges left at once: the reservation catches up in its own call
+    r = await b.reserve("roll", 2500, "all", now=T + 60_000)
+    assert r.accepted and r.remaining == 0
+
+
+async def test_a_hold_left_too_long_expires_and_stays_charged(redis: Redis, queue: Queue) -> None:
+    # Given a caller that reserves 300 tokens for one second, then crashes
+    b = queue.budgets
+    await b.create("b", 1000)
+    assert (await b.reserve("b", 300, "crashed", hold=1)).accepted
+    assert 0 < await redis.pttl(queue.keys.reservation_prefix + "u:crashed") <= 1000
+    # When the hold has passed
+    await asyncio.sleep(1.1)
+    # Then the record is gone (Redis keeps nothing for it), the tokens count as spent,
+    # and a late commit says the reservation is missing
+    assert await b.reservation("crashed") is None
+    assert (await b.get("b")).used == 300
+    assert (await b.commit("crashed", 10)).state == "missing"
+    # and a hold is checked like any other input
+    with pytest.raises(BudgetError, match="hold must be from 1 to"):
+        await b.reserve("b", 1, "x", hold=0)
+
+
 # ---- commit and refund ---------------------------------------------------------------------------------
 async def test_commit_and_refund_are_idempotent(queue: Queue) -> None:
     b = queue.budgets

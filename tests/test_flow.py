@@ -12,10 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +36,7 @@ from sluice.engine.clock import now_ms
 from sluice.engine.job import MAX_TOKENS
 from tests.conftest import eventually, running
 from tests.flow_workers import peaks_key, spans_key
-from tests.proc_harness import REPO, WorkerProc, WorkerProcs
+from tests.proc_harness import WorkerProc, WorkerProcs
 from tests.stepping import LEASE_MS, completed, leased, step
 from tests.stepping import ids_of as ids
 
@@ -319,15 +316,7 @@ def procs(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[WorkerProcs]:
 
 def start_flow_worker(procs: WorkerProcs, worker_id: str, concurrency: int) -> WorkerProc:
     """A ``sluice worker tests.flow_workers:worker`` process, cleaned up with ``procs``."""
-    env = {**os.environ, "SLUICE_TEST_REDIS": procs.redis_url, "SLUICE_TEST_PREFIX": procs.prefix}
-    argv = [sys.executable, "-m", "sluice", "worker", FLOW_TARGET, "--redis", procs.redis_url]
-    argv += ["--queue", "q", "--worker-id", worker_id, "--concurrency", str(concurrency)]
-    log_path = procs.log_dir / f"worker-{worker_id}.log"
-    with log_path.open("wb") as log:
-        popen = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    proc = WorkerProc(popen, log_path, worker_id)
-    procs.procs.append(proc)
-    return proc
+    return procs.launch(worker_id, FLOW_TARGET, "--concurrency", str(concurrency))
 
 
 async def both_idle(redis: Redis, queue: Queue) -> None:

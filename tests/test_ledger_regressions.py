@@ -132,9 +132,14 @@ async def test_a_rolling_budget_counts_none_of_its_expired_charges(queue: Queue)
     later = T + 60_000
 
     # Then the whole limit is free: a job of 1501 tokens with on_exhausted="reject" runs
-    # (it was rejected while one call let only 1000 of the expired charges leave)
+    # (it was rejected while one call let only 1000 of the expired charges leave). A call
+    # still lets at most 1000 leave (bounded work), but one that has not caught up refuses
+    # nothing: it tells the worker to come back at once, and the next call admits the job
     job = await queue.add("llm", tokens=1501, budget="roll")
     reply = await queue.protocol.step(now=later, want=1, lease_ms=10_000, worker_id="w")
+    assert (reply.jobs, reply.next_due) == ([], later)
+    assert await job.state() is JobState.WAITING
+    reply = await queue.protocol.step(now=later + 1, want=1, lease_ms=10_000, worker_id="w")
     assert reply.jobs[:1] == [job.id.encode()], await job.info()
 
 

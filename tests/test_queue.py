@@ -24,6 +24,7 @@ from sluice import (
     UnknownJobName,
 )
 from sluice.engine.clock import now_ms
+from sluice.engine.queue import BULK_CHUNK
 
 
 async def keys_of(redis: Redis, prefix: str) -> list[bytes]:
@@ -62,12 +63,13 @@ async def test_waiting_order_is_priority_then_fifo(queue: Queue) -> None:
 
 async def test_add_bulk_spans_many_script_calls(queue: Queue) -> None:
     done: list[int] = []
-    jobs = await queue.add_bulk((JobSpec("j", i) for i in range(2500)), progress=done.append)
-    assert done == [1000, 2000, 2500]  # one report per script call
-    assert len({j.id for j in jobs}) == 2500
-    assert (await queue.counts())["waiting"] == 2500
+    n = 2 * BULK_CHUNK + BULK_CHUNK // 2
+    jobs = await queue.add_bulk((JobSpec("j", i) for i in range(n)), progress=done.append)
+    assert done == [BULK_CHUNK, 2 * BULK_CHUNK, n]  # one report per script call
+    assert len({j.id for j in jobs}) == n
+    assert (await queue.counts())["waiting"] == n
     records = await queue.get_jobs([jobs[0].id, jobs[-1].id])
-    assert [r.payload for r in records if r] == [0, 2499]
+    assert [r.payload for r in records if r] == [0, n - 1]
 
 
 async def test_idempotency_key_returns_the_first_job(queue: Queue) -> None:

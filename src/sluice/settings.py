@@ -39,6 +39,16 @@ DEFAULT_IDEMPOTENCY_TTL = 86_400.0
 DEFAULT_EVENTS_MAXLEN = 10_000
 #: Largest payload, as JSON bytes, that ``Queue.add`` accepts.
 DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
+#: Lease expiries a job survives before it is dead-lettered. A lease expires when the
+#: worker dies under the job (SIGKILL, OOM, a crash) or stops answering past a lease,
+#: which is rarely the job's fault: a lost reply is recovered and a paused worker's
+#: late answer is fenced, so a stall is counted only when a worker really went away.
+#: Five lets an innocent job outlive a run of crashes caused by others, and still
+#: stops a job that kills every worker it lands on ("poison pill") after six tries.
+DEFAULT_MAX_STALLS = 5
+#: Seconds a caller's reservation (``budgets.reserve``) stays held before it expires,
+#: its tokens kept charged as spent (the caller may have called the provider).
+DEFAULT_RESERVATION_HOLD = 3600.0
 #: Folder of the embedded servers' data and sockets, relative to the working directory.
 DEFAULT_HOME = ".sluice"
 

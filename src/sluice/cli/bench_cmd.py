@@ -18,6 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from sluice.cli.runtime import run
 from sluice.cli.server import ENV_URL
 from sluice.engine.connection import connect
+from sluice.settings import ENV_REDIS_SERVER
 
 console = Console()
 
@@ -136,6 +137,192 @@ def latency(
     console.print(latency_table(data["latency"]))
     for error in data["latency"]["errors"][:5]:
         console.print(f"[yellow]{error}[/yellow]")
+    save_json(json_path, data)
+
+
+@bench_app.command("chaos")
+def chaos(
+    jobs: Annotated[int, typer.Option(min=1, max=1_000_000, help="Jobs the producers add.")] = 5000,
+    workers: Annotated[
+        int, typer.Option("--workers", "-w", min=1, max=16, help="Worker processes running at once.")
+    ] = 3,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-c", min=1, help="Jobs at once per worker process.")
+    ] = 8,
+    producers: Annotated[int, typer.Option(min=1, max=16, help="Producers adding jobs at once.")] = 2,
+    duration: Annotated[
+        float,
+        typer.Option(
+            min=1.0, help="Seconds over which the jobs are added at an even pace; the faults happen then."
+        ),
+    ] = 30.0,
+    seed: Annotated[int, typer.Option(help="Seed of the fault schedule and of the jobs' durations.")] = 1,
+    kills: Annotated[
+        int, typer.Option(min=0, help="Workers SIGKILLed mid-run (each replaced by a new process).")
+    ] = 3,
+    freezes: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Workers SIGSTOPped past their lease (3 to 6 s), then SIGCONTed (zombies that answer late).",
+        ),
+    ] = 2,
+    redis_restarts: Annotated[
+        int, typer.Option(min=0, help="Times Redis is killed with SIGKILL and restarted from its AOF.")
+    ] = 2,
+    redis_down: Annotated[float, typer.Option(min=0, help="Seconds Redis stays down each time.")] = 1.0,
+    work_ms: Annotated[
+        tuple[int, int], typer.Option(min=0, help="Each job sleeps between these milliseconds (seeded).")
+    ] = (10, 100),
+    slow_share: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            max=1,
+            help="Share of the jobs that sleep --slow-ms instead (still running when a zombie wakes).",
+        ),
+    ] = 0.02,
+    slow_ms: Annotated[
+        tuple[int, int], typer.Option(min=0, help="The slow jobs sleep between these milliseconds.")
+    ] = (500, 2500),
+    batch: Annotated[int, typer.Option(min=1, max=1000, help="Jobs per add call.")] = 20,
+    drain_timeout: Annotated[
+        float, typer.Option(min=1, help="Seconds the queue gets to finish every job after the last add.")
+    ] = 180.0,
+    redis_server: Annotated[
+        Path | None,
+        typer.Option(
+            envvar=ENV_REDIS_SERVER,
+            help="redis-server binary for the run's own Redis (default: as `sluice redis` picks it).",
+        ),
+    ] = None,
+    keep: Annotated[
+        Path | None,
+        typer.Option(help="Keep the run's Redis data, witness files and worker logs in this folder."),
+    ] = None,
+    json_path: JsonOpt = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Write the timeline PNG here (default: next to --json, as .png)."),
+    ] = None,
+) -> None:
+    """Add N jobs through a seeded schedule of faults, then check the whole queue.
+
+    Runs its own Redis (append-only file, appendfsync always) and real worker
+    processes; kills workers (SIGKILL), freezes them past their lease
+    (SIGSTOP/SIGCONT), kills Redis (SIGKILL) and restarts it from its AOF,
+    while producers add jobs with idempotency keys through the outages. Every
+    execution is witnessed in files outside Redis. Then checks that every
+    accepted job completed once, with the result of exactly one execution and
+    no stale commit accepted. Exit code 1 if not (see docs/chaos.md).
+    """
+    from sluice.lab.chaos import run_chaos
+    from sluice.lab.chaos_plan import ChaosSpec
+    from sluice.lab.chaos_report import causes_table, chaos_table, faults_table, write_timeline
+    from sluice.testing.embedded import find_binary
+
+    try:
+        spec = ChaosSpec(
+            jobs=jobs,
+            workers=workers,
+            concurrency=concurrency,
+            producers=producers,
+            duration=duration,
+            seed=seed,
+            kills=kills,
+            freezes=freezes,
+            redis_restarts=redis_restarts,
+            redis_down_s=redis_down,
+            work_ms=work_ms,
+            slow_share=slow_share,
+            slow_ms=slow_ms,
+            batch=batch,
+            drain_timeout=drain_timeout,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    binary = find_binary(str(redis_server) if redis_server is not None else None)
+
+    async def go() -> dict[str, Any]:
+        with progress_bar() as bar:
+            task = bar.add_task("chaos: starting", total=jobs)
+
+            def show(done: int, doing: str) -> None:
+                bar.update(task, completed=done, description=f"chaos: {doing}")
+
+            return await run_chaos(spec, binary=binary, keep=keep, progress=show)
+
+    data = run(go())
+    console.print(faults_table(data))
+    console.print(causes_table(data))
+    console.print(chaos_table(data))
+    print_warnings(data)
+    save_json(json_path, data)
+    if plot is None and json_path is not None:
+        plot = json_path.with_suffix(".png")
+    if plot is not None:
+        console.print(f"[dim]wrote {write_timeline(data, plot)}[/dim]")
+    if not data["check"]["passed"]:
+        console.print("[red]chaos check failed:[/red] jobs were lost or doubled (see the table above)")
+        raise typer.Exit(1)
+
+
+@bench_app.command("scale")
+def scale(
+    waiting: Annotated[
+        list[int] | None,
+        typer.Option("--waiting", min=1, max=10_000_000, help="Backlog sizes drained (repeatable)."),
+    ] = None,
+    delayed: Annotated[
+        int, typer.Option(min=0, help="Delayed jobs that all fall due at once (0: skip).")
+    ] = 100_000,
+    parked: Annotated[
+        int, typer.Option(min=0, help="Jobs parked on a full rolling budget (0: skip).")
+    ] = 100_000,
+    token_window: Annotated[
+        int, typer.Option(min=0, help="Entries in a token-rate window that then passes (0: skip).")
+    ] = 60_000,
+    processes: Annotated[int, typer.Option("--processes", "-p", min=1, max=16, help="Worker processes.")] = 2,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-c", min=1, help="Jobs at once per process.")
+    ] = 50,
+    redis: RedisOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Each script's cost at large sizes, from Redis's SLOWLOG: 1M waiting, 100k delayed, 100k
+    parked on a full budget, a 60k-entry token window.
+
+    Redis serves nobody while a script runs, so the worst call is what every
+    other client waits for; the target is 5 ms at every size, and a drain rate
+    that does not fall as the backlog grows. Use a throw-away Redis: the bench
+    sets slowlog-log-slower-than to 0 while it runs (and restores it).
+    """
+    from sluice.lab.common import bench_redis, machine_meta
+    from sluice.lab.report import scale_table
+    from sluice.lab.scale import ScaleSpec, run_scale
+
+    spec = ScaleSpec(
+        waiting=tuple(waiting or (10_000, 100_000, 1_000_000)),
+        delayed=delayed,
+        parked=parked,
+        token_window=token_window,
+        processes=processes,
+        concurrency=concurrency,
+    )
+
+    async def go(url: str, origin: str) -> dict[str, Any]:
+        client = connect(url)
+        try:
+            meta = await machine_meta(client, url, origin)
+            with console.status("building") as status:
+                result = await run_scale(client, url, spec, status.update)
+        finally:
+            await client.aclose()
+        return {"meta": meta, "scale": result}
+
+    with bench_redis(redis) as (url, origin):
+        data = run(go(url, origin))
+    console.print(scale_table(data["scale"]))
     save_json(json_path, data)
 
 

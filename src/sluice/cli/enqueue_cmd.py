@@ -18,7 +18,7 @@ from sluice.engine import MAX_PRIORITY, Job, JobSpec, Queue
 from sluice.engine.job import MAX_ATTEMPTS, MAX_TOKENS
 from sluice.engine.queue import BULK_CHUNK
 from sluice.errors import BudgetNotFound, InvalidJobError, JobRejected
-from sluice.settings import DEFAULT_PREFIX, DEFAULT_QUEUE
+from sluice.settings import DEFAULT_MAX_STALLS, DEFAULT_PREFIX, DEFAULT_QUEUE
 
 #: Files of more jobs than this show a progress bar while they are added.
 PROGRESS_FROM = 10 * BULK_CHUNK
@@ -73,7 +73,7 @@ def enqueue(
         typer.Option(
             min=0, max=MAX_ATTEMPTS, help="Times its worker may die under it before it is dead-lettered."
         ),
-    ] = 1,
+    ] = DEFAULT_MAX_STALLS,
     tokens: Annotated[
         int,
         typer.Option(

@@ -26,7 +26,7 @@ from sluice.cli.output import (
 from sluice.cli.runtime import with_queue
 from sluice.engine import JobRecord, Queue, WorkerInfo
 from sluice.engine.admin import COUNTERS
-from sluice.engine.clock import now_ms
+from sluice.engine.clock import now_ms, queue_now_ms
 from sluice.engine.keys import is_job_id
 from sluice.errors import JobNotFound
 from sluice.settings import DEFAULT_PREFIX, DEFAULT_QUEUE
@@ -60,10 +60,11 @@ def info(
     """Jobs of the queue per state, its counters, and the workers that serve it."""
     target = Target(queue, prefix, redis)
 
-    async def fetch(q: Queue) -> tuple[dict[str, int], list[WorkerInfo]]:
-        return await q.counts(), await q.workers()
+    async def fetch(q: Queue) -> tuple[dict[str, int], list[WorkerInfo], int]:
+        # Heartbeats carry Redis's time, so "seen ago" is measured on it too.
+        return await q.counts(), await q.workers(), await queue_now_ms(q)
 
-    counts, workers = with_queue(target, fetch)
+    counts, workers, now = with_queue(target, fetch)
     if not any(counts.values()) and not workers:
         note(
             f"{target.describe()} has no jobs and no workers: it is new, or the queue you mean has "
@@ -77,7 +78,7 @@ def info(
     console = stdout()
     console.print(_counts_table(counts, target))
     if workers:
-        console.print(_workers_table(workers, now_ms()))
+        console.print(_workers_table(workers, now))
     else:
         console.print("no worker has served this queue yet; start one with `sluice worker module:worker`")
 
@@ -89,6 +90,7 @@ _COUNTER_LABELS = {
     "stalled": "stalls",
     "dead_total": "dead (ever)",
     "unknown_outcome": "unknown outcomes",
+    "overrun": "stopped hard (overran timeout)",
 }
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from sluice.engine.clock import queue_now_ms
 from sluice.engine.job import JobRecord, JobState
 from sluice.engine.keys import check_job_id
 from sluice.engine.transport import reads, writes
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from sluice.engine.scripts import Scripts
 
 #: Cumulative counters of the ``stats`` hash, in the order ``counts()`` gives them.
+#: How long a heartbeat without an entry in the alive set (an older worker's) counts.
+LEGACY_ALIVE_MS = 120_000
+
 COUNTERS = (
     "added",
     "completed",
@@ -38,6 +42,7 @@ COUNTERS = (
     "throttled",
     "rejected",
     "unknown_outcome",
+    "overrun",
 )
 
 #: Ids per redrive / purge script call: bounded work per call.
@@ -77,7 +82,8 @@ class QueueAdmin:
         workers that had lost their lease), orphaned (queue entries whose
         record had vanished), throttled (attempts the provider refused),
         rejected (jobs their budget refused), unknown_outcome (reservations
-        kept charged because the attempt's outcome is unknown).
+        kept charged because the attempt's outcome is unknown), overrun
+        (attempts stopped hard past their timeout; also counted in failed).
         """
         k = self.keys
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -132,9 +138,19 @@ class QueueAdmin:
 
     @reads
     async def workers(self) -> list[WorkerInfo]:
-        """Workers that have served this queue, by their last heartbeat (a crashed one
-        lingers with an old ``seen_ms``)."""
-        raw: dict[bytes, bytes] = await self.redis.hgetall(self.keys.workers)  # type: ignore[assignment]
+        """Workers serving this queue now, with their last heartbeat (Redis's clock).
+
+        A worker counts as gone once it misses heartbeats for two leases (see
+        lua/heartbeat.lua); gone workers are left out here and removed from
+        Redis by the next heartbeat of any worker.
+        """
+        k = self.keys
+        now = await queue_now_ms(self)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(k.workers)
+            pipe.zrange(k.alive, 0, -1, withscores=True)
+            raw, alive = await pipe.execute()
+        until = {wid: score for wid, score in alive}
         out: list[WorkerInfo] = []
         for wid, beat in sorted(raw.items()):
             try:
@@ -144,12 +160,17 @@ class QueueAdmin:
                 seen = data.get("seen_ms")
             except (orjson.JSONDecodeError, AttributeError, TypeError):
                 names, concurrency, seen = (), None, None
+            seen = seen if isinstance(seen, int) else None
+            # A heartbeat of a version without the alive set counts for two minutes.
+            deadline = until.get(wid, (seen + LEGACY_ALIVE_MS) if seen is not None else 0)
+            if deadline < now:
+                continue
             out.append(
                 WorkerInfo(
                     wid.decode(errors="replace"),
                     names,
                     concurrency if isinstance(concurrency, int) else None,
-                    seen if isinstance(seen, int) else None,
+                    seen,
                 )
             )
         return out

@@ -17,10 +17,11 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sluice.engine.clock import now_ms
+from sluice.engine.clock import script_now
 from sluice.engine.job import MAX_TOKENS
 from sluice.engine.transport import reads, writes
 from sluice.errors import BudgetError, BudgetExists, BudgetNotFound
+from sluice.settings import DEFAULT_RESERVATION_HOLD
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -31,6 +32,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 _RID = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 #: Rolling windows are kept at most this long (their reservations are kept 8 days).
 MAX_ROLLING_SECONDS = 7 * 86_400
+#: How long a caller's reservation may stay held, at most (seconds): 8 days.
+MAX_HOLD = 8 * 86_400.0
 #: Budgets above one another; deeper hierarchies are refused.
 MAX_DEPTH = 8
 #: The budget that implements the queue's token-rate limit (no user name starts with '#').
@@ -242,27 +245,40 @@ class Budgets:
         for name in names:
             if name != TOKEN_RATE_BUDGET:
                 check_budget_name(name)
-        raw = await self._queue.scripts.budget_read(
-            keys=self._keys.flow, args=[now if now is not None else now_ms(), *names]
-        )
+        raw = await self._queue.scripts.budget_read(keys=self._keys.flow, args=[script_now(now), *names])
         return [_state(name, raw[i * 11 : (i + 1) * 11]) for i, name in enumerate(names)]
 
     @writes
     async def reserve(
-        self, name: str, tokens: int, reservation_id: str, *, job_id: str = "", now: int | None = None
+        self,
+        name: str,
+        tokens: int,
+        reservation_id: str,
+        *,
+        job_id: str = "",
+        hold: float = DEFAULT_RESERVATION_HOLD,
+        now: int | None = None,
     ) -> Reservation:
         """Charge ``tokens`` to the budget and every budget above it, or to none.
 
         Atomic: it succeeds only if every level can admit the tokens. Calling
         it again with the same ``reservation_id`` charges nothing more: the
         answer is ``duplicate``, accepted unless that reservation was refunded.
+
+        Commit or refund within ``hold`` seconds (default one hour). A hold
+        left longer (its caller crashed) disappears, and its tokens stay
+        charged as spent: the caller may have called the provider. A rolling
+        window still lets them go with the window; a later commit or refund
+        answers ``missing``.
         """
         check_budget_name(name)
         check_tokens("tokens", tokens)
         check_reservation_id(reservation_id)
+        if isinstance(hold, bool) or not isinstance(hold, int | float) or not 1 <= hold <= MAX_HOLD:
+            raise BudgetError(f"hold must be from 1 to {MAX_HOLD:g} seconds, got {hold!r}")
         code, remaining, refusing = await self._queue.scripts.reserve(
             keys=self._keys.flow,
-            args=[now if now is not None else now_ms(), name, tokens, _stored(reservation_id), job_id],
+            args=[script_now(now), name, tokens, _stored(reservation_id), job_id, round(hold * 1000)],
         )
         if code == -1:
             raise BudgetNotFound(refusing.decode())
@@ -306,7 +322,7 @@ class Budgets:
 
     async def _settle(self, rid: str, how: str, tokens: int, now: int | None) -> Settlement:
         check_reservation_id(rid)
-        at = now if now is not None else now_ms()
+        at = script_now(now)
         state, changed, charged, over = await self._queue.scripts.settle(
             keys=[*self._keys.flow, self._keys.wake], args=[at, _stored(rid), how, tokens]
         )
@@ -328,7 +344,7 @@ class Budgets:
     ) -> tuple[int, int]:
         k = self._keys
         q = self._queue
-        at = now if now is not None else now_ms()
+        at = script_now(now)
         code, limit = await q.scripts.budget_put(
             keys=[*k.flow, k.waiting, k.wake, k.job_prefix, k.events],
             args=[at, name, op, tokens, win, win_ms, parent, q.events_maxlen, MAX_TOKENS],

@@ -1,13 +1,68 @@
-"""Wall-clock milliseconds, the one time source the engine passes to scripts.
+"""Time, as Redis tells it.
 
-Scripts never read the clock themselves: the caller passes "now", so tests can
-drive time and every script in a call agrees on one instant.
+Every time the engine judges (a lease's end, a rate window, a delay, a
+throttle, a calendar period) is read by the scripts from Redis's own clock
+(``TIME``, see lua/includes/clock.lua), so workers and producers on hosts
+whose clocks disagree still agree on when a lease ends. A caller passes
+``now=None``; tests that drive time pass a number, which :func:`script_now`
+hands to the script in place of Redis's clock, or install a clock of their
+own for every call with :func:`set_test_clock` (never done outside tests).
+
+:func:`now_ms` (this host's clock) is for what only this process sees, such
+as how long to sleep; :func:`queue_now_ms` reads Redis's clock for the calls
+that compare with it outside a script.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from sluice.engine.keys import QueueKeys
+    from sluice.engine.scripts import Scripts
+
+
+class QueueLike(Protocol):
+    """What :func:`queue_now_ms` needs of a queue."""
+
+    scripts: Scripts
+    keys: QueueKeys
+
+
+_test_clock: Callable[[], int] | None = None
+
+
+def set_test_clock(clock: Callable[[], int] | None) -> None:
+    """Make every script call without a ``now`` use ``clock()`` (None: Redis's clock again).
+
+    For tests that compare the engine with a model step by step; a process
+    that serves real work never calls it.
+    """
+    global _test_clock  # noqa: PLW0603 - one switch for the whole process, by design
+    _test_clock = clock
 
 
 def now_ms() -> int:
+    """This host's wall clock, in ms."""
     return time.time_ns() // 1_000_000
+
+
+#: The ``now`` argument that tells a script to read Redis's clock.
+REDIS_CLOCK = ""
+
+
+def script_now(now: int | None) -> int | str:
+    """The ``now`` argument of a script: Redis's clock unless a test gives one."""
+    if now is not None:
+        return now
+    return REDIS_CLOCK if _test_clock is None else _test_clock()
+
+
+async def queue_now_ms(queue: QueueLike) -> int:
+    """Redis's clock on the server that holds ``queue``, in ms (one round trip; the test
+    clock if one is set)."""
+    if _test_clock is not None:
+        return _test_clock()
+    return int(await queue.scripts.now(keys=[queue.keys.control], args=[REDIS_CLOCK]))

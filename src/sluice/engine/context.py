@@ -14,16 +14,23 @@ class JobContext:
     after a lost lease), so a handler can tell a first try from a repeat.
     ``idempotency_key`` is the same for every attempt of the job: pass it to
     a provider that deduplicates requests, since delivery is at-least-once.
+    ``stop_requested`` turns true when the worker wants the attempt to end (its
+    timeout, a cancel request, a lost lease, shutdown): an async handler is
+    cancelled as well, but a sync one (``def``) runs in a thread that cannot
+    be interrupted, so a long one checks it between steps.
     """
 
     __slots__ = (
         "attempt",
         "created_ms",
+        "epoch",
         "id",
         "max_attempts",
         "name",
         "payload",
+        "prefix",
         "queue",
+        "stop_requested",
         "token",
         "usage",
         "worker_id",
@@ -40,6 +47,9 @@ class JobContext:
         created_ms: int,
         worker_id: str,
         token: bytes | int,
+        *,
+        prefix: str = "sluice",
+        epoch: str = "",
     ) -> None:
         self.queue = queue
         self.id = job_id
@@ -50,8 +60,14 @@ class JobContext:
         self.created_ms = created_ms
         self.worker_id = worker_id
         self.token = token
+        self.prefix = prefix
+        #: the queue's epoch when the job was leased (see idempotency_key)
+        self.epoch = epoch
         #: tokens this attempt used, as reported with record_usage (-1: not reported)
         self.usage = -1
+        #: set by the worker (from its event loop) when it wants this attempt to end; a plain
+        #: flag, so that a sync handler can read it from its thread
+        self.stop_requested = False
 
     def record_usage(self, tokens: int) -> None:
         """Report the tokens this attempt actually used (e.g. the provider's usage.total_tokens).
@@ -81,7 +97,16 @@ class JobContext:
 
     @property
     def idempotency_key(self) -> str:
-        return f"sluice:{self.queue}:{self.id}"
+        """``<prefix>:<queue>:<epoch>:<job id>``: the same for every attempt of the job, and
+        never the same for two jobs anywhere.
+
+        Job ids are per queue and start again from 1 if Redis loses its data,
+        so the key carries the key prefix (two environments on one provider
+        account), the queue, and the queue's epoch: a random value stored in
+        Redis, made anew when it is missing (a new Redis, or one that lost
+        its data).
+        """
+        return f"{self.prefix}:{self.queue}:{self.epoch}:{self.id}"
 
     @property
     def is_last_attempt(self) -> bool:

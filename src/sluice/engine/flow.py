@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sluice.engine.budgets import TOKEN_RATE_BUDGET, Budgets, BudgetState
-from sluice.engine.clock import now_ms
+from sluice.engine.clock import queue_now_ms
 from sluice.engine.job import MAX_TOKENS
 from sluice.engine.transport import reads, writes
 from sluice.errors import ConfigurationError
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from sluice.engine.keys import QueueKeys
+    from sluice.engine.scripts import Scripts
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ class FlowControl:
     redis: Redis
     keys: QueueKeys
     budgets: Budgets
+    scripts: Scripts
 
     async def _wake(self) -> None:
         await self.redis.zadd(self.keys.wake, {"w": 0})
@@ -140,7 +142,7 @@ class FlowControl:
 
     @writes
     async def throttle(self, seconds: float) -> None:
-        """Dispatch nothing for ``seconds`` from now; 0 lifts the throttle.
+        """Dispatch nothing for ``seconds`` from now (Redis's clock); 0 lifts the throttle.
 
         Unlike a handler's ``Throttled``, which only ever extends the pause,
         this replaces it: an operator may shorten or lift it.
@@ -151,14 +153,14 @@ class FlowControl:
             await self.redis.hdel(self.keys.control, "throttled_until")
             await self._wake()
         else:
-            until = now_ms() + round(seconds * 1000)
+            until = await queue_now_ms(self) + round(seconds * 1000)
             await self.redis.hset(self.keys.control, "throttled_until", until)
 
     @reads
     async def flow(self, *, now: int | None = None) -> FlowState:
         """The flow controls as set, and how full their windows are now."""
         k = self.keys
-        t = now if now is not None else now_ms()
+        t = now if now is not None else await queue_now_ms(self)
         raw: dict[bytes, bytes] = await self.redis.hgetall(k.control)  # type: ignore[assignment]
         c = {key.decode(): value.decode() for key, value in raw.items()}
         rate_ms = int(c["rate_ms"]) if "rate_ms" in c else None

@@ -11,6 +11,7 @@ from typing import Any
 from sluice.engine.backoff import DEFAULT_BACKOFF, Backoff
 from sluice.engine.codec import JSONValue, decode
 from sluice.errors import CorruptJobError, InvalidJobError
+from sluice.settings import DEFAULT_MAX_STALLS
 
 #: Priorities run from 0 (first) to MAX_PRIORITY; the waiting score packs the
 #: priority above a 32-bit sequence number, and both must fit a double exactly.
@@ -73,7 +74,7 @@ class JobSpec:
     ``idempotency_key``: adding the same key again (within the queue's
     idempotency TTL) returns the first job instead of adding another.
     ``max_stalls``: how often the job's lease may expire (its worker died)
-    before it is dead-lettered rather than run again.
+    before it is dead-lettered rather than run again (default 5: see settings.py).
     ``tokens``: the job's token estimate (prompt + max output tokens), reserved
     from the queue's token-rate limit and from ``budget`` when it is dispatched,
     and corrected with the usage the handler reports.
@@ -91,7 +92,7 @@ class JobSpec:
     backoff: Backoff = DEFAULT_BACKOFF
     timeout: float | None = None
     idempotency_key: str | None = None
-    max_stalls: int = 1
+    max_stalls: int = DEFAULT_MAX_STALLS
     tokens: int = 0
     budget: str | None = None
     on_exhausted: str = "reject"

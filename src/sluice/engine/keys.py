@@ -52,6 +52,9 @@ class QueueKeys:
     wake: str
     stats: str
     workers: str
+    alive: str
+    calls: str
+    epoch: str
     control: str
     starts: str
     budget_prefix: str
@@ -78,6 +81,9 @@ class QueueKeys:
             wake=base + "wake",
             stats=base + "stats",
             workers=base + "workers",
+            alive=base + "alive",
+            calls=base + "calls",
+            epoch=base + "epoch",
             control=base + "control",
             starts=base + "starts",
             budget_prefix=base + "budget:",

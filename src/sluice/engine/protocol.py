@@ -5,7 +5,8 @@ outcomes finished since the last call, promote due jobs, lease as many new
 ones as there are free slots), :meth:`~WorkerProtocol.extend` (renew the
 leases of running jobs) and :meth:`~WorkerProtocol.reap` (return jobs whose
 lease expired). The runner (runner.py) is their user; tests that drive time
-call them with ``now`` in hand. Producers never need them, which is why they
+call them with ``now`` in hand; everyone else leaves ``now`` out, and the
+scripts read Redis's clock (see lua/includes/clock.lua). Producers never need them, which is why they
 live on ``queue.protocol`` and not on the :class:`~sluice.engine.queue.Queue`.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from sluice.engine.clock import script_now as _clock
 from sluice.engine.transport import writes
 
 if TYPE_CHECKING:
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
     from sluice.engine.queue import Queue
 
 #: One finished attempt as the worker reports it:
-#: (job id, token, kind, value, retry_at ms, tokens used or -1).
+#: (job id, token, kind, value, retry in ms from now (kind b"f"), tokens used or -1).
 Outcome = tuple[str, bytes, bytes, bytes, int, int]
 
 #: Fields per leased job in a step's reply (see lua/includes/dispatch.lua).
@@ -33,14 +35,26 @@ class StepReply(NamedTuple):
     """What one dispatch step answered."""
 
     codes: list[int]
+    #: when something may next become runnable, on Redis's clock (ms), or -1
     next_due: int
+    #: the script's "now" (Redis's clock unless a test passed one)
+    now: int
+    #: the queue's epoch: random, made anew if Redis lost its data (see JobContext.idempotency_key)
+    epoch: str
     jobs: list[Any]
 
     @classmethod
     def parse(cls, reply: list[Any]) -> StepReply:
-        """Split the dispatch script's flat reply: {n, codes..., next_due, jobs...}."""
+        """Split the dispatch script's flat reply: {n, codes..., next_due, now, epoch, jobs...}."""
         n = reply[0]
-        return cls(reply[1 : 1 + n], reply[1 + n], reply[2 + n :])
+        epoch = reply[3 + n]
+        return cls(
+            reply[1 : 1 + n],
+            reply[1 + n],
+            reply[2 + n],
+            epoch.decode() if isinstance(epoch, bytes) else str(epoch),
+            reply[4 + n :],
+        )
 
 
 class WorkerProtocol:
@@ -56,35 +70,60 @@ class WorkerProtocol:
 
     @writes
     async def step(
-        self, *, now: int, want: int, lease_ms: int, worker_id: str, outcomes: Sequence[Outcome] = ()
+        self,
+        *,
+        now: int | None = None,
+        want: int,
+        lease_ms: int,
+        worker_id: str,
+        outcomes: Sequence[Outcome] = (),
+        request_id: str = "",
     ) -> StepReply:
         """Record ``outcomes`` (fenced by token), promote due jobs, lease up to ``want``.
 
-        An outcome is ``(job_id, token, kind, value, retry_at_ms, tokens_used)``
+        An outcome is ``(job_id, token, kind, value, retry_in_ms, tokens_used)``
         with kind b"c" completed, b"f" failed, b"p" failed permanently, b"r"
-        released, b"x" cancelled, b"t" throttled (value: retry after, ms), and
+        released, b"x" cancelled, b"t" throttled (value: retry after, ms);
+        ``retry_in_ms`` is how long a b"f" retry waits (from the script's now), and
         tokens_used -1 when not reported (see lua/includes/finish.lua). Returns the per-outcome
-        codes, the next delayed due time (ms, or -1) and the leased jobs as
-        flat 9-value groups (see lua/includes/dispatch.lua).
+        codes, the next due time (ms on Redis's clock, or -1) and the leased jobs as
+        flat 9-value groups (see lua/includes/dispatch.lua). See :meth:`step_command`
+        for ``request_id``.
         """
         keys, args = self.step_command(
-            now=now, want=want, lease_ms=lease_ms, worker_id=worker_id, outcomes=outcomes
+            now=now,
+            want=want,
+            lease_ms=lease_ms,
+            worker_id=worker_id,
+            outcomes=outcomes,
+            request_id=request_id,
         )
         return StepReply.parse(await self._queue.scripts.dispatch(keys=keys, args=args))
 
     def step_command(
-        self, *, now: int, want: int, lease_ms: int, worker_id: str, outcomes: Sequence[Outcome] = ()
+        self,
+        *,
+        now: int | None = None,
+        want: int,
+        lease_ms: int,
+        worker_id: str,
+        outcomes: Sequence[Outcome] = (),
+        request_id: str = "",
     ) -> tuple[list[str], list[Any]]:
         """The KEYS and ARGV of one dispatch call, for callers that send it themselves.
 
         The worker's pump does: it owns a connection of its own for this one
         script (see runner.py), and parses the answer with :meth:`StepReply.parse`.
+        ``request_id`` (unique per call of this worker) makes the call safe to
+        send again when its reply was lost: sent again with the same id, it is
+        answered from what it did the first time instead of being run twice.
         """
         k = self.keys
         q = self._queue
         keys = [k.waiting, k.delayed, k.active, k.events, k.stats, k.wake, k.job_prefix, k.dead, *k.flow]
+        keys += (k.calls, k.epoch)
         args: list[Any] = [
-            now,
+            _clock(now),
             want,
             lease_ms,
             worker_id,
@@ -92,35 +131,38 @@ class WorkerProtocol:
             q.keep_finished_ms,
             q.event_result_max_bytes,
             len(outcomes),
+            request_id,
         ]
         job_prefix = k.job_prefix
         for outcome in outcomes:
             if len(outcome) != 6:
                 raise ValueError(
-                    f"an outcome is (job id, token, kind, value, retry_at, tokens used), got {outcome!r}"
+                    f"an outcome is (job id, token, kind, value, retry in ms, tokens used), got {outcome!r}"
                 )
             keys.append(job_prefix + outcome[0])
             args += outcome
         return keys, args
 
     @writes
-    async def extend(self, *, now: int, lease_ms: int, leases: Sequence[tuple[str, bytes]]) -> list[int]:
+    async def extend(
+        self, *, now: int | None = None, lease_ms: int, leases: Sequence[tuple[str, bytes]]
+    ) -> list[int]:
         """Renew leases; per job 1 renewed, 2 renewed but cancel requested, 0 lost, -1 gone."""
         if not leases:
             return []
         keys = [self.keys.active, *(self.keys.job(job_id) for job_id, _ in leases)]
-        args: list[Any] = [now, lease_ms]
+        args: list[Any] = [_clock(now), lease_ms]
         for job_id, token in leases:
             args += (job_id, token)
         return list(await self._queue.scripts.extend(keys=keys, args=args))
 
     @writes
-    async def reap(self, *, now: int, limit: int = 1000) -> tuple[int, int]:
+    async def reap(self, *, now: int | None = None, limit: int = 200) -> tuple[int, int]:
         """Return expired leases to waiting (or dead); returns (returned, dead-lettered)."""
         k = self.keys
         q = self._queue
         back, dead = await q.scripts.reap(
             keys=[k.active, k.waiting, k.dead, k.events, k.stats, k.wake, k.job_prefix, *k.flow],
-            args=[now, limit, q.events_maxlen, q.keep_finished_ms],
+            args=[_clock(now), limit, q.events_maxlen, q.keep_finished_ms],
         )
         return int(back), int(dead)

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 from sluice.engine.admin import QueueAdmin
 from sluice.engine.backoff import DEFAULT_BACKOFF, Backoff
 from sluice.engine.budgets import Budgets
-from sluice.engine.clock import now_ms
+from sluice.engine.clock import script_now
 from sluice.engine.codec import JSONValue, decode, encode_limited
-from sluice.engine.connection import blocking_client, connect
+from sluice.engine.connection import adopt, blocking_client, connect
 from sluice.engine.events import Event, ResultWaiter, follow
+from sluice.engine.eviction import warn_if_evicting
 from sluice.engine.flow import FlowControl
 from sluice.engine.job import JobRecord, JobSpec, JobState
 from sluice.engine.keys import QueueKeys, check_job_id
@@ -41,16 +42,18 @@ from sluice.settings import (
     DEFAULT_IDEMPOTENCY_TTL,
     DEFAULT_KEEP_FINISHED,
     DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_MAX_STALLS,
     DEFAULT_PREFIX,
     DEFAULT_QUEUE,
 )
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
 
 #: Jobs per add script call in add_bulk: large enough to amortize the round
 #: trip, small enough that one call does not stall Redis for other clients.
-BULK_CHUNK = 1000
+BULK_CHUNK = 64
 
 
 class Job:
@@ -96,7 +99,9 @@ class Queue(QueueAdmin, FlowControl):
     (:class:`~sluice.engine.flow.FlowControl`) and its token ledger (``queue.budgets``).
 
     ``redis`` is an asyncio client that the queue uses but does not own (close
-    it yourself), or use :meth:`from_url`, which owns its client.
+    it yourself), or use :meth:`from_url`, which owns its client. For a Redis
+    Cluster, pass a ``redis.asyncio.RedisCluster`` or a client of
+    :func:`~sluice.engine.connection.connect` (given any node's URL).
     ``known_names``: if given, ``add`` refuses job names outside it, before
     anything is written (pass ``worker.names`` to check against a worker).
     """
@@ -105,7 +110,7 @@ class Queue(QueueAdmin, FlowControl):
         self,
         name: str = DEFAULT_QUEUE,
         *,
-        redis: Redis,
+        redis: Redis | RedisCluster,
         prefix: str = DEFAULT_PREFIX,
         known_names: Collection[str] | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
@@ -117,7 +122,8 @@ class Queue(QueueAdmin, FlowControl):
         self.name = name
         self.keys = QueueKeys.for_queue(name, prefix)
         self.prefix = prefix
-        self.redis = redis
+        self._eviction_checked = False
+        self.redis = adopt(redis)
         self.known_names = frozenset(known_names) if known_names is not None else None
         if max_payload_bytes <= 0:
             raise InvalidJobError("max_payload_bytes must be > 0")
@@ -126,7 +132,7 @@ class Queue(QueueAdmin, FlowControl):
         self.idempotency_ttl_ms = max(1, int(idempotency_ttl * 1000))
         self.events_maxlen = events_maxlen
         self.event_result_max_bytes = event_result_max_bytes
-        self.scripts = Scripts(redis)
+        self.scripts = Scripts(self.redis)
         #: the token ledger of this queue (see sluice.engine.budgets)
         self.budgets = Budgets(self)
         #: the calls workers make (see sluice.engine.protocol)
@@ -140,7 +146,7 @@ class Queue(QueueAdmin, FlowControl):
         """A queue with a client of its own for ``url`` (closed by :meth:`close`).
 
         ``url``: redis://[:password@]host:port/db, rediss://... (TLS) or
-        unix:///path/to/redis.sock.
+        unix:///path/to/redis.sock; or any node of a Redis Cluster.
         """
         queue = cls(name, redis=connect(url), **options)
         queue._owns_redis = True
@@ -175,7 +181,7 @@ class Queue(QueueAdmin, FlowControl):
         backoff: Backoff = DEFAULT_BACKOFF,
         timeout: float | None = None,
         idempotency_key: str | None = None,
-        max_stalls: int = 1,
+        max_stalls: int = DEFAULT_MAX_STALLS,
         tokens: int = 0,
         budget: str | None = None,
         on_exhausted: str = "reject",
@@ -220,6 +226,9 @@ class Queue(QueueAdmin, FlowControl):
         self, specs: Iterable[JobSpec], progress: Callable[[int], None] | None = None
     ) -> list[Job]:
         specs = list(specs)
+        if not self._eviction_checked:
+            self._eviction_checked = True
+            await warn_if_evicting(self.redis)
         for i, spec in enumerate(specs):
             if not isinstance(spec, JobSpec):
                 raise InvalidJobError(f"add_bulk item {i} is {type(spec).__name__}, not a JobSpec")
@@ -263,7 +272,7 @@ class Queue(QueueAdmin, FlowControl):
         keys = [k.seq, k.waiting, k.delayed, k.events, k.wake, k.stats, k.job_prefix, k.budget_prefix]
         fixed = len(keys)
         idem_index: dict[str, int] = {}
-        args: list[Any] = [now_ms(), self.events_maxlen, self.idempotency_ttl_ms, len(specs)]
+        args: list[Any] = [script_now(None), self.events_maxlen, self.idempotency_ttl_ms, len(specs)]
         for spec, enc in zip(specs, encoded, strict=True):
             index = 0
             if spec.idempotency_key is not None:
@@ -374,14 +383,14 @@ class Queue(QueueAdmin, FlowControl):
 
     def _result_waiter(self) -> ResultWaiter:
         if self._waiter is None:
-            self._blocking = blocking_client(self.redis)
+            self._blocking = blocking_client(self.redis, self.keys.events)
             self._waiter = ResultWaiter(self._blocking, self.keys.events)
         return self._waiter
 
     @reads_stream
     async def events(self, since: str = "$") -> AsyncIterator[Event]:
         """Follow the queue's lifecycle events (``since='0'``: from the oldest kept)."""
-        blocking = blocking_client(self.redis)
+        blocking = blocking_client(self.redis, self.keys.events)
         try:
             async for event in follow(blocking, self.keys.events, since=since):
                 yield event
@@ -397,7 +406,7 @@ class Queue(QueueAdmin, FlowControl):
         k = self.keys
         code, _state = await self.scripts.cancel(
             keys=[k.job(job_id), k.waiting, k.delayed, k.events, k.stats, k.parked_prefix],
-            args=[now_ms(), job_id, self.events_maxlen, self.keep_finished_ms],
+            args=[script_now(None), job_id, self.events_maxlen, self.keep_finished_ms],
         )
         if code == -1:
             raise JobNotFound(job_id)

@@ -17,22 +17,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
+import inspect
 import logging
 import random
+import secrets
+import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import MovedError, NoScriptError, RedisError
 
 from sluice.engine.backoff import Backoff
-from sluice.engine.clock import now_ms
+from sluice.engine.clock import now_ms, script_now
 from sluice.engine.codec import decode, encode
-from sluice.engine.connection import MAX_BLOCK, blocking_client
+from sluice.engine.connection import MAX_BLOCK, REROUTE_ERRORS, blocking_client, server_for
 from sluice.engine.context import JobContext
+from sluice.engine.eviction import warn_if_evicting
 from sluice.engine.protocol import LEASED_FIELDS, StepReply
 from sluice.engine.transport import describe, server_url
+from sluice.engine.watchdog import SyncDispatch, Watchdog
 from sluice.errors import (
     AttemptTimeout,
     CorruptJobError,
@@ -63,19 +71,54 @@ except (ImportError, AttributeError):  # pragma: no cover - redis-py packs inste
     _PACK = None
 
 MAX_ERROR_BYTES = 8192
+#: Expired leases returned per reap call (each call is one script: bounded work).
+REAP_BATCH = 200
+#: Outcomes handed in per dispatch call, for the same reason.
+STEP_OUTCOMES = 16
 
 
 class _Running:
-    """One job this process is running."""
+    """One job this process is running (and, for the watchdog, a watchdog.Attempt)."""
 
-    __slots__ = ("ctx", "stop_reason", "task", "token")
+    __slots__ = (
+        "backoff",
+        "ctx",
+        "started",
+        "stop_reason",
+        "sync",
+        "task",
+        "timed_out_at",
+        "timeout",
+        "token",
+    )
 
-    def __init__(self, ctx: JobContext, token: bytes) -> None:
+    def __init__(
+        self, ctx: JobContext, token: bytes, timeout: float | None, backoff: bytes, sync: bool
+    ) -> None:
         self.ctx = ctx
         self.token = token
+        self.timeout = timeout
+        self.backoff = backoff
+        #: a def handler, run in a thread
+        self.sync = sync
         self.task: asyncio.Task[None] | None = None
-        #: why the runner cancelled the task: lease_lost, cancel, release
+        #: why the runner cancelled the task: lease_lost, cancel, release, timeout
         self.stop_reason: str | None = None
+        #: time.monotonic() at start, and when its timeout fired (then the outcome is a timeout)
+        self.started = 0.0
+        self.timed_out_at: float | None = None
+
+
+class _Call:
+    """One dispatch call: kept until Redis answers it, and sent again as it was."""
+
+    __slots__ = ("id", "outcomes", "tries", "want")
+
+    def __init__(self, call_id: str, outcomes: list[Outcome], want: int) -> None:
+        self.id = call_id
+        self.outcomes = outcomes
+        self.want = want
+        self.tries = 0
 
 
 class _Wire:
@@ -88,37 +131,66 @@ class _Wire:
     and a call carries 6 per finished job). With short jobs that was a third
     of the worker's CPU per job (benchmarks/README.md). The connection (TCP,
     unix or TLS, with auth and db) is built from the client's own pool
-    settings and reconnects on the next call after any error; the pump then
-    retries with its outcomes kept.
+    settings, or on a Redis Cluster from those of the master that owns the
+    queue's slot, found at the first call (connection.server_for). It
+    reconnects on the next call after any error, and after one that may mean
+    the slot moved (MOVED, ASK, a broken connection) it looks for the master
+    again; the pump then retries with its outcomes kept (a MOVED call was not
+    applied; any other is fenced by its lease tokens).
     """
 
     def __init__(self, redis: Redis, script: AsyncScript) -> None:
-        pool = redis.connection_pool
-        self._conn: AbstractConnection = pool.connection_class(**pool.connection_kwargs)
+        self._redis = redis
+        self._conn: AbstractConnection | None = None
+        self._stale = False
         self._script = script
+        self.sent = False
 
-    async def _send(self, *args: Any) -> None:
-        packed = _PACK(args) if _PACK is not None else self._conn.pack_command(*args)
-        await self._conn.send_packed_command(packed)
+    async def _connection(self, key: str) -> AbstractConnection:
+        if self._conn is None:
+            connection_class, kwargs = await server_for(self._redis, key, refresh=self._stale)
+            self._conn = connection_class(**kwargs)
+            self._stale = False
+        return self._conn
 
     async def call(self, keys: list[str], args: list[Any]) -> Any:
-        conn = self._conn
-        try:
+        #: whether the script call reached the socket (if not, it cannot have run)
+        self.sent = False
+        for attempt in (1, 2):
+            conn = await self._connection(keys[0])  # every key of a queue is in one slot
             try:
-                await self._send("EVALSHA", self._script.sha, len(keys), *keys, *args)
-                return await conn.read_response()
-            except NoScriptError:  # Redis restarted or its scripts were flushed
-                await self._send("SCRIPT", "LOAD", self._script.script)
-                await conn.read_response()
-                await self._send("EVALSHA", self._script.sha, len(keys), *keys, *args)
-                return await conn.read_response()
-        except BaseException:
-            # A reply may be half read (or not read): the next call must not see it.
-            await conn.disconnect()
-            raise
+                return await self._call(conn, keys, args)
+            except BaseException as exc:
+                # A reply may be half read (or not read): the next call must not see it.
+                await conn.disconnect()
+                if not isinstance(exc, REROUTE_ERRORS):
+                    raise
+                self._conn = None
+                self._stale = True
+                # A MOVED call was not run: send it again at once, to the slot's new master.
+                if attempt == 2 or not isinstance(exc, MovedError):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _call(self, conn: AbstractConnection, keys: list[str], args: list[Any]) -> Any:
+        try:
+            await _send(conn, "EVALSHA", self._script.sha, len(keys), *keys, *args)
+            self.sent = True
+            return await conn.read_response()
+        except NoScriptError:  # Redis restarted or its scripts were flushed
+            await _send(conn, "SCRIPT", "LOAD", self._script.script)
+            await conn.read_response()
+            await _send(conn, "EVALSHA", self._script.sha, len(keys), *keys, *args)
+            self.sent = True
+            return await conn.read_response()
 
     async def close(self) -> None:
-        await self._conn.disconnect()
+        if self._conn is not None:
+            await self._conn.disconnect()
+
+
+async def _send(conn: AbstractConnection, *args: Any) -> None:
+    await conn.send_packed_command(_PACK(args) if _PACK is not None else conn.pack_command(*args))
 
 
 class Runner:
@@ -131,6 +203,13 @@ class Runner:
         self.lease_ms = int(worker.lease * 1000)
         self.running: dict[str, _Running] = {}
         self.done: list[Outcome] = []
+        #: the dispatch call sent and not yet answered (sent again as it was after an error)
+        self._pending: _Call | None = None
+        self._calls = 0
+        #: request ids are unique per process: a restarted worker reuses its worker id
+        self._call_prefix = secrets.token_hex(4) + "-"
+        #: the queue's epoch, as the last dispatch reply said (see JobContext.idempotency_key)
+        self.epoch = ""
         self.kick = asyncio.Event()
         self.idle = asyncio.Event()
         self.more = True
@@ -141,6 +220,22 @@ class Runner:
         self._grace_timer: asyncio.TimerHandle | None = None
         #: loop time after which, once no handler runs, outcomes Redis would not take are dropped
         self._give_up_at: float | None = None
+        #: threads of the sync handlers, one per slot (made on first use)
+        self._pool: ThreadPoolExecutor | None = None
+        self._watchdog: Watchdog | None = None
+        if worker.hard_grace is not None or worker.loop_block_warning is not None:
+            self._watchdog = Watchdog(
+                worker_id=self.wid,
+                hard_grace=worker.hard_grace,
+                loop_block_warning=worker.loop_block_warning,
+                dispatch=SyncDispatch(queue, lease_ms=self.lease_ms, worker_id=self.wid),
+                unsent=self._unsent,
+                stop_taking_jobs=self._stop_taking_jobs,
+            )
+
+    def _stop_taking_jobs(self) -> None:
+        """Called by the watchdog's thread before a hard stop: the pump leases no more."""
+        self.stopping = True
 
     # ---- control ---------------------------------------------------------------------
     def request_stop(self, *, immediately: bool = False) -> None:
@@ -178,6 +273,7 @@ class Runner:
         """
         if job.stop_reason is None:
             job.stop_reason = reason
+        job.ctx.stop_requested = True  # what a sync handler, which cannot be cancelled, can see
         task = job.task
         if task is None or task.done():
             return
@@ -185,7 +281,8 @@ class Runner:
         asyncio.get_running_loop().call_later(0.1, self._stop_handler, job, reason)
 
     async def run(self) -> None:
-        blocking = blocking_client(self.queue.redis)
+        await warn_if_evicting(self.queue.redis)
+        blocking = blocking_client(self.queue.redis, self.keys.wake)
         helpers = [
             asyncio.create_task(self._wake_loop(blocking), name="sluice-waker"),
             asyncio.create_task(self._renew_loop(), name="sluice-renewer"),
@@ -205,9 +302,17 @@ class Runner:
                 "handlers": sorted(self.worker.names),
             },
         )
+        if self._watchdog is not None:
+            self._watchdog.start()
         try:
             await self._pump()
         finally:
+            # First: the pump ends once no handler runs (unless run() itself was cancelled),
+            # and a watchdog must not outlive its loop.
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
             if self._grace_timer is not None:
                 self._grace_timer.cancel()
             # redis-py can swallow a cancellation that lands mid-read, so the
@@ -240,7 +345,7 @@ class Runner:
             await blocking.aclose()
             await self._wire.close()
             with contextlib.suppress(Exception):
-                await self.queue.redis.hdel(self.keys.workers, self.wid)
+                await self._heartbeat(leaving=True)
             log.info("worker %s stopped", self.wid, extra={"worker_id": self.wid})
 
     # ---- the pump ----------------------------------------------------------------------
@@ -249,7 +354,7 @@ class Runner:
         while True:
             self.kick.clear()
             free = 0 if self.stopping else self.concurrency - len(self.running)
-            if self.done or (free > 0 and self.more):
+            if self.done or self._pending is not None or (free > 0 and self.more):
                 try:
                     await self._step(free)
                     failures = 0
@@ -290,7 +395,7 @@ class Runner:
         )
 
     def _abandon(self, exc: BaseException) -> None:
-        ids = [outcome[0] for outcome in self.done]
+        ids = [outcome[0] for outcome in self._unsent()]
         error = describe(exc)
         log.error(
             "worker %s stopped without reporting %d outcome(s), as Redis at %s did not take them "
@@ -307,7 +412,10 @@ class Runner:
         self, what: str, exc: BaseException, failures: int, wake: asyncio.Event | None = None
     ) -> None:
         """Log the failure and wait before the next try (``wake`` cuts the wait short)."""
-        delay = min(5.0, 0.05 * 2 ** min(failures, 7)) * (0.5 + random.random() / 2)
+        # At most a quarter of a lease: once Redis is back, leases are renewed and
+        # outcomes handed in before they expire.
+        ceiling = min(5.0, self.lease_ms / 4000)
+        delay = min(ceiling, 0.05 * 2 ** min(failures, 7)) * (0.5 + random.random() / 2)
         # A mapped error names the server itself; a raw one gets the URL added.
         error = (
             str(exc)
@@ -328,25 +436,57 @@ class Runner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), delay)
 
+    def _unsent(self) -> list[Outcome]:
+        """Outcomes Redis has not confirmed: the call in flight's, then those waiting."""
+        pending = self._pending.outcomes if self._pending is not None else []
+        return [*pending, *self.done]
+
     async def _step(self, free: int) -> None:
-        batch = self.done
-        self.done = []
-        if free > 0:
+        if self._pending is None:
+            # A bounded batch per call (each outcome is script work); the rest go next call.
+            batch = self.done[:STEP_OUTCOMES]
+            self.done = self.done[STEP_OUTCOMES:]
+            self._calls += 1
+            self._pending = _Call(f"{self._call_prefix}{self._calls}", batch, free)
+        # A call whose reply was lost is sent again as it was, same request id: the
+        # script then answers what it did the first time (the leases it made, the
+        # codes of the outcomes it took) rather than doing it twice.
+        call = self._pending
+        if call.want > 0:
             # This step consumes "more". The waker may set it again while the
             # call is in flight (a job added after the script ran); that signal
             # must survive, or the worker sleeps on a marker already popped.
             self.more = False
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         try:
             keys, args = self.queue.protocol.step_command(
-                now=now_ms(), want=free, lease_ms=self.lease_ms, worker_id=self.wid, outcomes=batch
+                want=call.want,
+                lease_ms=self.lease_ms,
+                worker_id=self.wid,
+                outcomes=call.outcomes,
+                request_id=call.id,
             )
             reply = StepReply.parse(await self._wire.call(keys, args))
         except BaseException:
-            self.done[:0] = batch  # keep the outcomes; they are sent again
-            if free > 0:
+            if not self._wire.sent:
+                # Never reached Redis, so it did nothing: its outcomes wait with the
+                # others, and the next call is a new one (a stopping worker with
+                # nothing to report can then stop at once).
+                self.done[:0] = call.outcomes
+                self._pending = None
+            else:
+                call.tries += 1
+            if call.want > 0:
                 self.more = True
             raise
-        for outcome, code in zip(batch, reply.codes, strict=True):
+        self._pending = None
+        await self._answered(call, reply, late=loop.time() - sent > self.lease_ms / 3000)
+
+    async def _answered(self, call: _Call, reply: StepReply, *, late: bool) -> None:
+        """Act on a dispatch reply: log refused outcomes, keep the timer, start the jobs."""
+        self.epoch = reply.epoch
+        for outcome, code in zip(call.outcomes, reply.codes, strict=True):
             if code <= 0:
                 log.warning(
                     "outcome refused for job %s: its lease was lost (the job was reaped and "
@@ -355,12 +495,47 @@ class Runner:
                     self.wid,
                     extra={"worker_id": self.wid, "job_id": outcome[0], "code": code},
                 )
-        self.next_due = reply.next_due
+        # next_due is on Redis's clock: kept as this host's time, through the reply's now.
+        self.next_due = now_ms() + reply.next_due - reply.now if reply.next_due >= 0 else -1
         jobs = reply.jobs
-        if free > 0 and len(jobs) // LEASED_FIELDS >= free:
+        if call.want > 0 and len(jobs) // LEASED_FIELDS >= call.want:
             self.more = True  # a full batch: there may be more waiting
+        if call.tries or late:
+            # Leased long ago (a lost reply, or this process was paused): some leases may
+            # have expired and their jobs run elsewhere; only those still ours start.
+            jobs = await self._still_leased(jobs)
         for i in range(0, len(jobs), LEASED_FIELDS):
-            self._start(jobs[i : i + LEASED_FIELDS])
+            f = jobs[i : i + LEASED_FIELDS]
+            if self.stopping:  # leased while stopping (a call sent again): back to waiting
+                self.done.append((f[0].decode(), f[1], b"r", b"", 0, 0))
+                self.kick.set()
+            else:
+                self._start(f)
+
+    async def _still_leased(self, jobs: list[Any]) -> list[Any]:
+        """The leased jobs whose leases are still this worker's, each renewed."""
+        groups = [jobs[i : i + LEASED_FIELDS] for i in range(0, len(jobs), LEASED_FIELDS)]
+        if not groups:
+            return jobs
+        try:
+            codes = await self.queue.protocol.extend(
+                lease_ms=self.lease_ms, leases=[(f[0].decode(), f[1]) for f in groups]
+            )
+        except Exception:  # noqa: BLE001 - the fence refuses a stale outcome anyway
+            return jobs
+        kept: list[Any] = []
+        for f, code in zip(groups, codes, strict=True):
+            if code in (1, 2):
+                kept += f
+            else:
+                log.warning(
+                    "worker %s: job %s is not started: its lease expired before the worker "
+                    "could start it (the process was paused, or the reply came late)",
+                    self.wid,
+                    f[0].decode(),
+                    extra={"worker_id": self.wid, "job_id": f[0].decode()},
+                )
+        return kept
 
     def _start(self, f: list[Any]) -> None:
         job_id = f[0].decode()
@@ -368,7 +543,17 @@ class Runner:
             name = f[2].decode()
             timeout_ms = int(f[6])
             ctx = JobContext(
-                self.queue.name, job_id, name, f[3], int(f[4]), int(f[5]), int(f[8]), self.wid, f[1]
+                self.queue.name,
+                job_id,
+                name,
+                f[3],
+                int(f[4]),
+                int(f[5]),
+                int(f[8]),
+                self.wid,
+                f[1],
+                prefix=self.queue.prefix,
+                epoch=self.epoch,
             )
         except (ValueError, TypeError, AttributeError) as exc:
             # A record this version cannot read: dead-letter it with the reason
@@ -385,33 +570,73 @@ class Runner:
             self.done.append((job_id, f[1], b"p", str(error).encode(), 0, 0))
             self.kick.set()
             return
-        job = _Running(ctx, f[1])
-        self.running[job_id] = job
         timeout = timeout_ms / 1000 if timeout_ms > 0 else self.worker.timeout
-        job.task = asyncio.create_task(self._execute(job, self.worker.get_handler(name), timeout, f[7]))
+        job = _Running(ctx, f[1], timeout, f[7], self.worker.is_sync(name))
+        job.started = time.monotonic()
+        self.running[job_id] = job
+        if self._watchdog is not None:
+            # Watched from now: if another job blocks the loop before this one's task
+            # first runs, a hard stop still releases it.
+            self._watchdog.watch(job)
+        job.task = asyncio.create_task(self._execute(job, self.worker.get_handler(name)))
+        job.task.add_done_callback(functools.partial(self._ended, job))
 
-    async def _execute(
-        self, job: _Running, handler: Handler | None, timeout: float | None, backoff: bytes
-    ) -> None:
+    async def _execute(self, job: _Running, handler: Handler | None) -> None:
         ctx = job.ctx
+        timer = None
+        if job.timeout is not None:
+            timer = asyncio.get_running_loop().call_later(job.timeout, self._time_out, job)
         outcome: tuple[bytes, bytes, int] | None
         try:
-            outcome = await self._attempt(ctx, handler, timeout, backoff)
+            outcome = await self._attempt(job, handler)
         except asyncio.CancelledError:
-            # Only the runner cancels handlers, and it says why first.
-            reason = job.stop_reason or "release"
-            outcome = None if reason == "lease_lost" else _STOPPED[reason]
+            outcome = self._stopped(job)
         finally:
+            if timer is not None:
+                timer.cancel()
             if self.running.get(ctx.id) is job:
                 del self.running[ctx.id]
             self.kick.set()
         if outcome is not None:
             self.done.append((ctx.id, job.token, *outcome, ctx.usage))
+        if self._watchdog is not None:
+            # After the outcome is queued: the watchdog always finds it in one place or the other.
+            self._watchdog.unwatch(job)
+
+    def _ended(self, job: _Running, _task: asyncio.Task[None]) -> None:
+        """The job's task is done. Normally _execute has reported it; a task cancelled before
+        it first ran never entered _execute, and is reported here as stopped."""
+        if self.running.get(job.ctx.id) is job:
+            del self.running[job.ctx.id]
+            outcome = self._stopped(job)
+            if outcome is not None:
+                self.done.append((job.ctx.id, job.token, *outcome, job.ctx.usage))
+            self.kick.set()
+        if self._watchdog is not None:
+            self._watchdog.unwatch(job)
+
+    @staticmethod
+    def _stopped(job: _Running) -> tuple[bytes, bytes, int] | None:
+        """The outcome of a handler the runner cancelled (it says why first); None: not reported."""
+        reason = job.stop_reason or "release"
+        return None if reason == "lease_lost" else _STOPPED.get(reason, _STOPPED["release"])
+
+    def _time_out(self, job: _Running) -> None:
+        """The attempt's timeout: cancel the handler (again until it ends). Whatever it does
+        after, the attempt is a timeout, and the watchdog stops it past the hard grace."""
+        job.timed_out_at = time.monotonic()
+        self._stop_handler(job, "timeout")
 
     async def _attempt(  # noqa: PLR0911 - one return per outcome kind
-        self, ctx: JobContext, handler: Handler | None, timeout: float | None, backoff: bytes
+        self, job: _Running, handler: Handler | None
     ) -> tuple[bytes, bytes, int]:
-        """Run one attempt; returns (kind, value, retry_at) for the dispatch script."""
+        """Run one attempt; returns (kind, value, retry in ms) for the dispatch script.
+
+        Once its timeout has fired the attempt is a timeout, whatever the handler
+        does after: ends cancelled, raises, or swallows the cancellation and
+        returns a value (which is discarded, not reported as a success).
+        """
+        ctx = job.ctx
         if handler is None:
             error = (
                 f"no handler named {ctx.name!r} on worker {self.wid} (it serves: "
@@ -425,20 +650,84 @@ class Runner:
             ctx.usage = 0
             return self._dead(ctx, str(CorruptJobError(ctx.id, f"payload is not JSON ({exc})")).encode())
         try:
-            if timeout is None:
-                result = await handler(ctx)
-            else:
-                try:
-                    async with asyncio.timeout(timeout) as cm:
-                        result = await handler(ctx)
-                except TimeoutError:
-                    if not cm.expired():
-                        raise
-                    raise AttemptTimeout(timeout) from None
+            result = await (self._in_thread(job, handler) if job.sync else handler(ctx))
+        except asyncio.CancelledError:
+            if job.timed_out_at is None:
+                raise
+            return self._timed_out(job, None)
+        except Exception as exc:  # noqa: BLE001 - any handler error is the job's failure
+            if job.timed_out_at is not None:
+                return self._timed_out(job, f"raised {describe(exc)}")
+            return self._failed(ctx, exc, job.backoff)
+        if job.timed_out_at is not None:
+            return self._timed_out(job, "returned a value, which was discarded")
+        if job.sync and inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
+                result.close()  # never awaited, on purpose: no warning for it
+            error = (
+                f"handler {ctx.name!r} is a plain function but returned an awaitable; declare it "
+                "`async def` for the worker to await it"
+            )
+            return self._dead(ctx, error.encode())
+        try:
             return b"c", encode(result, "result"), 0
-        except (PermanentError, PayloadNotSerializable) as exc:
+        except PayloadNotSerializable as exc:
             return self._dead(ctx, _describe(exc))
-        except Throttled as exc:
+
+    async def _in_thread(self, job: _Running, handler: Handler) -> Any:
+        """Run a sync handler in a thread; the attempt lasts until the thread returns.
+
+        A thread cannot be interrupted: stopped (timeout, cancel request, lost
+        lease, shutdown), the handler sees ``job.stop_requested``, and the
+        attempt keeps its slot and lease until it has returned, so at most
+        ``concurrency`` handlers run and the pool (one thread per slot) never
+        makes one wait. Its return (or error) is its outcome, unless its
+        timeout fired; past the hard grace the watchdog ends the process.
+        """
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"sluice-{self.wid}")
+        call = contextvars.copy_context().run
+        future = asyncio.get_running_loop().run_in_executor(self._pool, call, handler, job.ctx)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            while not future.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({future})
+            return future.result()
+
+    def _timed_out(self, job: _Running, after: str | None) -> tuple[bytes, bytes, int]:
+        """The outcome of an attempt whose timeout fired; ``after``: what the handler did then."""
+        ctx = job.ctx
+        assert job.timeout is not None and job.timed_out_at is not None
+        error = AttemptTimeout(job.timeout)
+        if after is not None:
+            late = time.monotonic() - job.timed_out_at
+            # A thread cannot be cancelled: it only sees job.stop_requested.
+            went_on = "'s thread went on past" if job.sync else " went on after it was cancelled at"
+            note = f"the handler{went_on} its timeout, and {late:.2f}s later {after}"
+            error.add_note(note)
+            log.warning(
+                "worker %s: job %s (%s) went on past its timeout of %gs: %s; the attempt counts as timed out",
+                self.wid,
+                ctx.id,
+                ctx.name,
+                job.timeout,
+                note,
+                extra={
+                    "worker_id": self.wid,
+                    "job_id": ctx.id,
+                    "job_name": ctx.name,
+                    "late_s": round(late, 3),
+                },
+            )
+        return self._failed(ctx, error, job.backoff)
+
+    def _failed(self, ctx: JobContext, exc: Exception, backoff: bytes) -> tuple[bytes, bytes, int]:
+        """The outcome of an attempt whose handler raised ``exc``."""
+        if isinstance(exc, PermanentError | PayloadNotSerializable):
+            return self._dead(ctx, _describe(exc))
+        if isinstance(exc, Throttled):
             log.info(
                 "worker %s: job %s was throttled by its provider; the queue pauses for %gs "
                 "and the job waits again",
@@ -448,33 +737,32 @@ class Runner:
                 extra={"worker_id": self.wid, "job_id": ctx.id, "retry_after_s": exc.retry_after},
             )
             return b"t", b"%d" % round(exc.retry_after * 1000), 0
-        except Exception as exc:  # noqa: BLE001 - any handler error is the job's failure
-            if ctx.attempt >= ctx.max_attempts:
-                return self._dead(ctx, _describe(exc), kind=b"f")
-            try:
-                delay = Backoff.from_json(backoff).seconds(ctx.attempt)
-            except (ValueError, TypeError):
-                delay = 1.0
-            error = describe(exc)
-            log.warning(
-                "worker %s: job %s (%s) attempt %d of %d failed, retrying in %.3fs: %s",
-                self.wid,
-                ctx.id,
-                ctx.name,
-                ctx.attempt,
-                ctx.max_attempts,
-                delay,
-                error,
-                extra={
-                    "worker_id": self.wid,
-                    "job_id": ctx.id,
-                    "job_name": ctx.name,
-                    "attempt": ctx.attempt,
-                    "retry_in_s": round(delay, 3),
-                    "error": error,
-                },
-            )
-            return b"f", _describe(exc), now_ms() + int(delay * 1000)
+        if ctx.attempt >= ctx.max_attempts:
+            return self._dead(ctx, _describe(exc), kind=b"f")
+        try:
+            delay = Backoff.from_json(backoff).seconds(ctx.attempt)
+        except (ValueError, TypeError):
+            delay = 1.0
+        error = describe(exc)
+        log.warning(
+            "worker %s: job %s (%s) attempt %d of %d failed, retrying in %.3fs: %s",
+            self.wid,
+            ctx.id,
+            ctx.name,
+            ctx.attempt,
+            ctx.max_attempts,
+            delay,
+            error,
+            extra={
+                "worker_id": self.wid,
+                "job_id": ctx.id,
+                "job_name": ctx.name,
+                "attempt": ctx.attempt,
+                "retry_in_s": round(delay, 3),
+                "error": error,
+            },
+        )
+        return b"f", _describe(exc), int(delay * 1000)
 
     def _dead(self, ctx: JobContext, error: bytes, kind: bytes = b"p") -> tuple[bytes, bytes, int]:
         text = error[:300].decode(errors="replace").splitlines()[0] if error else ""
@@ -513,13 +801,11 @@ class Runner:
 
     async def _renew_loop(self) -> None:
         interval = self.worker.lease / 3
-        redis = self.queue.redis
-        heartbeat = orjson.dumps({"names": sorted(self.worker.names), "concurrency": self.concurrency})
         failures = 0
         while not self._closing:
             # The first heartbeat goes out at start, so a worker is visible at once.
             try:
-                await redis.hset(self.keys.workers, self.wid, heartbeat[:-1] + b',"seen_ms":%d}' % now_ms())
+                await self._heartbeat()
                 await self._renew()
                 failures = 0
             except _TRANSIENT as exc:
@@ -528,14 +814,26 @@ class Runner:
                 await self._backoff("lease renewal", exc, failures)
             await asyncio.sleep(interval)
 
+    async def _heartbeat(self, *, leaving: bool = False) -> None:
+        """Say this worker is alive (or leaving); it counts as gone after two silent leases."""
+        description = orjson.dumps({"names": sorted(self.worker.names), "concurrency": self.concurrency})
+        k = self.keys
+        await self.queue.scripts.heartbeat(
+            keys=[k.workers, k.alive, k.calls],
+            args=[script_now(None), self.wid, description[:-1], 2 * self.lease_ms, 1 if leaving else 0],
+        )
+
     async def _renew(self) -> None:
         # A handler told to stop keeps its lease until it has ended (a slow wind-down
         # must not turn a release into a stall); only a lost lease is let go.
         jobs = [j for j in self.running.values() if j.stop_reason != "lease_lost"]
+        # Finished jobs whose outcomes Redis has not taken yet (it was away) keep their
+        # leases too, or a short outage would turn every such job into a stall.
+        unsent = [(o[0], o[1]) for o in self._unsent()]
         codes = await self.queue.protocol.extend(
-            now=now_ms(), lease_ms=self.lease_ms, leases=[(j.ctx.id, j.token) for j in jobs]
+            lease_ms=self.lease_ms, leases=[*((j.ctx.id, j.token) for j in jobs), *unsent]
         )
-        for job, code in zip(jobs, codes, strict=True):
+        for job, code in zip(jobs, codes, strict=False):
             if code == 1 or job.task is None or job.stop_reason in ("lease_lost", "cancel"):
                 continue
             reason = "cancel" if code == 2 else "lease_lost"
@@ -554,7 +852,13 @@ class Runner:
         while not self._closing:
             await asyncio.sleep(interval * (0.75 + random.random() / 2))
             try:
-                back, dead = await self.queue.protocol.reap(now=now_ms())
+                # Each call reaps a bounded batch; a full one means more may be expired.
+                back = dead = 0
+                while not self._closing:
+                    more_back, more_dead = await self.queue.protocol.reap(limit=REAP_BATCH)
+                    back, dead = back + more_back, dead + more_dead
+                    if more_back + more_dead < REAP_BATCH:
+                        break
                 failures = 0
             except _TRANSIENT as exc:
                 _reraise_if_cancelled()

@@ -39,6 +39,8 @@ COMMANDS = (
     "budget_read",
     "reserve",
     "settle",
+    "heartbeat",
+    "now",
 )
 
 
@@ -105,3 +107,5 @@ class Scripts:
         self.budget_read: AsyncScript = redis.register_script(source("budget_read"))
         self.reserve: AsyncScript = redis.register_script(source("reserve"))
         self.settle: AsyncScript = redis.register_script(source("settle"))
+        self.heartbeat: AsyncScript = redis.register_script(source("heartbeat"))
+        self.now: AsyncScript = redis.register_script(source("now"))

@@ -77,3 +77,28 @@ def latency_table(result: dict[str, Any]) -> Table:
         str(len(result.get("errors") or [])),
     )
     return table
+
+
+def scale_table(result: dict[str, Any]) -> Table:
+    """Per phase and script: calls, p50, p99 and worst (ms), with the drain rate."""
+    target = result["target_worst_ms"]
+    table = Table(title=f"script time from SLOWLOG (ms; target: worst <= {target:g})", title_justify="left")
+    for col in ("phase", "jobs", "drain jobs/s", "script", "calls", "p50", "p99", "worst"):
+        table.add_column(col, justify="left" if col in ("phase", "script") else "right")
+    for phase in result["phases"]:
+        first = True
+        for name, s in phase["scripts"].items():
+            worst = s["worst_ms"]
+            mark = "" if worst is None or worst <= target else " [red]!"
+            table.add_row(
+                phase["name"] if first else "",
+                f"{phase['size']:,}" if first else "",
+                _n(phase["drain_rate"]) if first else "",
+                name,
+                f"{s['calls']:,}",
+                _n(s["p50_ms"], 2),
+                _n(s["p99_ms"], 2),
+                _n(worst, 2) + mark,
+            )
+            first = False
+    return table

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sluice.engine.job import JobSpec
-from sluice.engine.queue import Queue
+from sluice.engine.queue import BULK_CHUNK, Queue
 from sluice.lab.common import drop_queue, new_queue_name
 from sluice.lab.noop import ENV_DONE_KEY, ENV_URL
 from sluice.lab.procs import WorkerGroup, redis_cpu_s
@@ -97,7 +97,7 @@ async def _enqueue(redis: Redis, queue: Queue, n: int) -> dict[str, Any]:
         "enqueue_s": round(elapsed, 4),
         "enqueue_rate": rate(n, elapsed),
         "enqueue_redis_cpu_us_per_job": per_job_us(cpu, n),
-        "enqueue_method": "Queue.add_bulk (one add script call per 1000 jobs)",
+        "enqueue_method": f"Queue.add_bulk (one add script call per {BULK_CHUNK} jobs)",
     }
 
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from sluice.errors import ConfigurationError, MissingExtra
 from sluice.settings import ENV_REDIS_SERVER, ENV_REDIS_URL
@@ -207,7 +208,11 @@ class EmbeddedRedis:
 
     ``port=None`` listens on a unix socket in ``data_dir`` (falling back to a
     free loopback port when the path would be too long); ``port=0`` picks a
-    free loopback port. ``persist`` turns on the append-only file.
+    free loopback port. ``persist`` turns on the append-only file;
+    ``appendfsync`` sets its fsync policy (None: Redis's default,
+    ``everysec``); with ``always`` the server writes and fsyncs every change
+    before it answers, so nothing it has answered is lost when it is killed
+    (the chaos bench kills it and checks that).
     ``detached`` starts the server in a session of its own, so that a Ctrl-C
     in the starter's terminal or the starter's exit does not reach it (the
     shared server of :mod:`sluice.testing.shared` outlives its starter); while
@@ -226,6 +231,7 @@ class EmbeddedRedis:
         persist: bool = True,
         detached: bool = False,
         password: str | None = None,
+        appendfsync: Literal["always", "everysec", "no"] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.binary = binary or find_binary()
@@ -235,6 +241,7 @@ class EmbeddedRedis:
         self.persist = persist
         self.detached = detached
         self.password = password
+        self.appendfsync = appendfsync
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -272,6 +279,8 @@ class EmbeddedRedis:
             "--protected-mode",
             "yes",
         ]
+        if self.persist and self.appendfsync is not None:
+            argv += ["--appendfsync", self.appendfsync]
         if self.socket_path is not None:
             argv += ["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
         if self.password is not None:

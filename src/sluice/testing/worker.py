@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+    from redis.asyncio.cluster import RedisCluster
 
     from sluice.engine.worker import Worker
 
 
 @contextlib.asynccontextmanager
 async def running_worker(
-    worker: Worker, redis: Redis | str, *, stop_timeout: float = 30.0
+    worker: Worker, redis: Redis | RedisCluster | str, *, stop_timeout: float = 30.0
 ) -> AsyncIterator[asyncio.Task[None]]:
     """Run ``worker`` on ``redis`` (a client or a URL) for the duration of the block.
 

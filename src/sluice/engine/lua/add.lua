@@ -3,7 +3,7 @@
 -- KEYS[1] seq   KEYS[2] waiting   KEYS[3] delayed   KEYS[4] events
 -- KEYS[5] wake  KEYS[6] stats     KEYS[7] job key prefix  KEYS[8] budget key prefix
 -- KEYS[8 + k]   the k-th idempotency key named by the jobs below
--- ARGV[1] now (ms)  ARGV[2] events stream max length  ARGV[3] idempotency TTL (ms)
+-- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] events stream max length  ARGV[3] idempotency TTL (ms)
 -- ARGV[4] number of jobs n
 -- ARGV[5 + 12 * (i - 1) ...] per job: name, payload (JSON), priority, delay (ms),
 --   max_attempts, backoff (JSON), timeout (ms, 0 = worker default), max_stalls,
@@ -18,9 +18,10 @@
 -- Ids are the queue's sequence numbers; the waiting score is
 -- priority * 2^32 + (sequence mod 2^32): lower priority first, FIFO within one.
 
+-- @include clock
 -- @include emit
 
-local now = tonumber(ARGV[1])
+local now = clock_ms(ARGV[1])
 local maxlen = ARGV[2]
 local idem_ttl = tonumber(ARGV[3])
 local n = tonumber(ARGV[4])

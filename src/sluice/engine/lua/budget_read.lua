@@ -1,16 +1,17 @@
 -- budget_read: budgets as they stand now (windows moved on first).
 --
 -- KEYS[1 .. 7]  flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
--- ARGV[1] now (ms)  ARGV[1 + i] name of the i-th budget
+-- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[1 + i] name of the i-th budget
 --
 -- Returns per budget a flat list of 11 values (all false if it does not exist):
 -- limit, used, window, window ms, period, parent, accepted, rejected, unknown,
 -- parked jobs, when its window next turns or frees tokens (ms, -1 never).
 
+-- @include clock
 -- @include ledger
 
 local K = with_flow_keys({}, 1)
-local now = tonumber(ARGV[1])
+local now = clock_ms(ARGV[1])
 local out = {}
 for i = 2, #ARGV do
   local b = load_budget(K, ARGV[i], now)

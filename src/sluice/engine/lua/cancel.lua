@@ -2,15 +2,17 @@
 --
 -- KEYS[1] job key   KEYS[2] waiting   KEYS[3] delayed   KEYS[4] events   KEYS[5] stats
 -- KEYS[6] prefix of the parked-jobs sets of budgets (parked:<budget>)
--- ARGV[1] now (ms)  ARGV[2] job id  ARGV[3] events stream max length
+-- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] job id  ARGV[3] events stream max length
 -- ARGV[4] keep finished records (ms, 0 = forever)
 --
 -- Returns {code, state}: 1 cancelled (it was waiting, delayed or parked); 2 a cancel was
 -- requested from the running worker, which stops the handler at its next lease
 -- renewal; 0 nothing done (state is terminal); -1 no such job.
 
+-- @include clock
 -- @include emit
 
+local now = clock_ms(ARGV[1])
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return {-1, ''} end
 if state == 'waiting' or state == 'delayed' or state == 'parked' then
@@ -21,13 +23,13 @@ if state == 'waiting' or state == 'delayed' or state == 'parked' then
     redis.call('ZREM', KEYS[6] .. budget, ARGV[2])
     redis.call('HDEL', KEYS[1], 'parked')
   end
-  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished', ARGV[1])
+  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished', now)
   if tonumber(ARGV[4]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
   redis.call('HINCRBY', KEYS[5], 'cancelled', 1)
   emit(KEYS[4], ARGV[3], 'cancelled', ARGV[2])
   return {1, state}
 elseif state == 'active' then
-  redis.call('HSET', KEYS[1], 'cancel', ARGV[1])
+  redis.call('HSET', KEYS[1], 'cancel', now)
   emit(KEYS[4], ARGV[3], 'cancel_requested', ARGV[2])
   return {2, state}
 end

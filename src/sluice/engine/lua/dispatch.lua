@@ -6,41 +6,97 @@
 -- KEYS[1] waiting   KEYS[2] delayed   KEYS[3] active   KEYS[4] events
 -- KEYS[5] stats     KEYS[6] wake      KEYS[7] job key prefix   KEYS[8] dead
 -- KEYS[9 .. 15]     flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
--- KEYS[15 + i]      job key of the i-th finished job
--- ARGV[1] now (ms)  ARGV[2] max jobs to take  ARGV[3] lease (ms)  ARGV[4] worker id
+-- KEYS[16] calls    (hash: worker id -> its last call's request id, codes and leases)
+-- KEYS[17] epoch    (string: the queue's epoch, made here if missing)
+-- KEYS[17 + i]      job key of the i-th finished job
+-- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] max jobs to take  ARGV[3] lease (ms)  ARGV[4] worker id
 -- ARGV[5] events stream max length  ARGV[6] keep finished records (ms, 0 = forever)
 -- ARGV[7] largest result copied into the 'completed' event (bytes)
 -- ARGV[8] number of finished jobs n
--- ARGV[9 + 6 * (i - 1) ...] per finished job: id, token, kind, value, retry_at (ms),
---   tokens used (-1 = not reported)
+-- ARGV[9] request id ('' = none): a call sent again with the id of the worker's
+--   last call (its reply was lost) is answered from what that call did, not
+--   run again: the same codes, and the jobs it leased that are still leased
+--   to it, re-read (see replay below)
+-- ARGV[10 + 6 * (i - 1) ...] per finished job: id, token, kind, value, retry in (ms from
+--   now, for kind 'f'), tokens used (-1 = not reported)
 --
--- Returns {n, code_1..code_n, next_due, <9 values per taken job>...}
--- (codes: see includes/finish.lua; next_due and jobs: see includes/dispatch.lua).
+-- Returns {n, code_1..code_n, next_due, now, epoch, <9 values per taken job>...}
+-- (codes: see includes/finish.lua; next_due and jobs: see includes/dispatch.lua;
+-- now is the script's clock, so a worker can time next_due without trusting its own;
+-- epoch names this life of the queue's data, so that provider idempotency keys
+-- (prefix, queue, epoch, job id) never repeat after Redis lost its data and job
+-- ids started again from 1).
 
+-- @include clock
 -- @include emit
 -- @include wake
 -- @include ledger
 -- @include dispatch
 -- @include finish
 
+-- The answer to a call whose reply was lost, from the record it left.
+local function replay(K, rec, now, epoch)
+  local out = {#rec.c}
+  for i = 1, #rec.c do out[i + 1] = rec.c[i] end
+  out[#out + 1] = next_due(K, 0)
+  out[#out + 1] = now
+  out[#out + 1] = epoch
+  for i = 1, #rec.l, 2 do
+    local id, token = rec.l[i], rec.l[i + 1]
+    local f = redis.call('HMGET', K.jobp .. id, 'state', 'token', 'name', 'payload', 'attempt',
+                         'max_attempts', 'timeout_ms', 'backoff', 'created')
+    if f[1] == 'active' and f[2] == token then
+      local n = #out
+      out[n + 1] = id
+      out[n + 2] = tonumber(token)
+      out[n + 3] = f[3]
+      out[n + 4] = f[4]
+      out[n + 5] = tonumber(f[5])
+      out[n + 6] = f[6]
+      out[n + 7] = f[7]
+      out[n + 8] = f[8]
+      out[n + 9] = f[9]
+    end
+  end
+  return out
+end
+
 local K = {waiting = KEYS[1], delayed = KEYS[2], active = KEYS[3], events = KEYS[4],
            stats = KEYS[5], jobp = KEYS[7], dead = KEYS[8], maxlen = ARGV[5],
            keep_ms = tonumber(ARGV[6]), ev_result_max = tonumber(ARGV[7])}
 with_flow_keys(K, 9)
-local now = tonumber(ARGV[1])
+local now = clock_ms(ARGV[1])
 local max_jobs = tonumber(ARGV[2])
 local n = tonumber(ARGV[8])
+local epoch = redis.call('GET', KEYS[17])
+if not epoch then
+  -- First call, or Redis lost its data: a new epoch, unique by Redis's clock to
+  -- the microsecond (Lua's random numbers repeat in scripts).
+  local t = redis.call('TIME')
+  epoch = string.sub(redis.sha1hex(t[1] .. '.' .. t[2] .. ' ' .. KEYS[17] .. ' ' .. ARGV[4]), 1, 16)
+  redis.call('SET', KEYS[17], epoch)
+end
+local req = ARGV[9]
+if req ~= '' then
+  local prev = redis.call('HGET', KEYS[16], ARGV[4])
+  if prev then
+    local ok, rec = pcall(cjson.decode, prev)
+    if ok and type(rec) == 'table' and rec.r == req then return replay(K, rec, now, epoch) end
+  end
+end
 local C = new_counts()
 local out = {n}
 for i = 1, n do
-  local a = 9 + 6 * (i - 1)
-  out[i + 1] = finish_one(K, KEYS[15 + i], ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
-                          tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), now, C)
+  local a = 10 + 6 * (i - 1)
+  out[i + 1] = finish_one(K, KEYS[17 + i], ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
+                          now + (tonumber(ARGV[a + 4]) or 0), tonumber(ARGV[a + 5]), now, C)
 end
-promote_due(K, now)
+local G = load_gates(K, now)
+promote_due(K, G, now)
 local at = #out + 1
 out[at] = 0
-local G = load_gates(K, now)
+out[at + 1] = now
+out[at + 2] = epoch
 local taken, wait = take_jobs(K, G, now, max_jobs, tonumber(ARGV[3]), ARGV[4], out, C)
 flush_counts(K.stats, C)
 -- Wake another worker only if the queue is open: a refused worker learns
@@ -53,4 +109,15 @@ local due = next_due(K, wait)
 -- is woken to learn it and keep the timer.
 if due > 0 and max_jobs > 0 and taken >= max_jobs then redis.call('ZADD', KEYS[6], 0, 'w') end
 out[at] = due
+if req ~= '' then
+  -- What this call did, kept (one record per worker, replaced by its next call)
+  -- so that the same call sent again after a lost reply is answered, not redone.
+  local codes, leases = {}, {}
+  for i = 1, n do codes[i] = out[i + 1] end
+  for i = at + 3, #out, 9 do
+    leases[#leases + 1] = out[i]
+    leases[#leases + 1] = tostring(out[i + 1])
+  end
+  redis.call('HSET', KEYS[16], ARGV[4], cjson.encode({r = req, c = codes, l = leases}))
+end
 return out

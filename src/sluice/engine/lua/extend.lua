@@ -1,13 +1,15 @@
 -- extend: renew the leases of running jobs, fenced by their attempt tokens.
 --
 -- KEYS[1] active   KEYS[1 + i] job key of the i-th job
--- ARGV[1] now (ms)  ARGV[2] lease (ms)  ARGV[3 + 2 * (i - 1) ...] id, token
+-- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] lease (ms)  ARGV[3 + 2 * (i - 1) ...] id, token
 --
 -- Returns one code per job: 1 extended, 2 extended but a cancel was requested
 -- (the worker should stop the handler), 0 lease lost (the job was reaped or
 -- finished elsewhere: the worker must stop and not report), -1 no such job.
 
-local deadline = tonumber(ARGV[1]) + tonumber(ARGV[2])
+-- @include clock
+
+local deadline = clock_ms(ARGV[1]) + tonumber(ARGV[2])
 local out = {}
 for i = 1, #KEYS - 1 do
   local id, token = ARGV[3 + 2 * (i - 1)], ARGV[4 + 2 * (i - 1)]

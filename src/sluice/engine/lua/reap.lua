@@ -4,7 +4,7 @@
 -- KEYS[1] active   KEYS[2] waiting   KEYS[3] dead   KEYS[4] events
 -- KEYS[5] stats    KEYS[6] wake      KEYS[7] job key prefix
 -- KEYS[8 .. 14]    flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
--- ARGV[1] now (ms)  ARGV[2] most jobs to reap in this call
+-- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] most jobs to reap in this call
 -- ARGV[3] events stream max length  ARGV[4] keep finished records (ms, 0 = forever)
 --
 -- A job whose cancellation was requested is cancelled instead of returned.
@@ -13,13 +13,14 @@
 -- Returns {returned to waiting, dead-lettered}. The stale worker's late answer
 -- is refused afterwards because the token no longer matches an active lease.
 
+-- @include clock
 -- @include emit
 -- @include wake
 -- @include ledger
 
 local K = with_flow_keys({}, 8)
 
-local now = tonumber(ARGV[1])
+local now = clock_ms(ARGV[1])
 local maxlen = ARGV[3]
 local keep_ms = tonumber(ARGV[4])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
@@ -30,7 +31,7 @@ for i = 1, #expired do
   redis.call('ZREM', KEYS[1], id)
   local f = redis.call('HMGET', jk, 'score', 'max_stalls', 'worker', 'stalls', 'cancel', 'rid')
   if f[6] then
-    local _, changed = settle(K, f[6], 'unknown', -1, now)
+    local _, changed = settle(K, f[6], 'unknown', -1, now, keep_ms)
     if changed then unknown = unknown + 1 end
   end
   if f[1] then

@@ -3,8 +3,8 @@
 -- script reserves for jobs added with a budget).
 --
 -- KEYS[1 .. 7]  flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
--- ARGV[1] now (ms)  ARGV[2] budget name  ARGV[3] tokens  ARGV[4] reservation id
--- ARGV[5] job id ('' if none)
+-- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] budget name  ARGV[3] tokens  ARGV[4] reservation id
+-- ARGV[5] job id ('' if none)  ARGV[6] how long the reservation may stay held (ms)
 --
 -- Returns {code, remaining, refusing budget}: 1 reserved; 0 refused (some
 -- level cannot admit the tokens; nothing was charged); 2 this reservation id
@@ -13,10 +13,11 @@
 -- budget (the third value names the missing one).
 -- remaining is what the budget named in ARGV[2] has left after the call.
 
+-- @include clock
 -- @include ledger
 
 local K = with_flow_keys({}, 1)
-local now, name, tokens, rid = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local now, name, tokens, rid = clock_ms(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local chain, missing = budget_chain(K, name, now)
 if not chain then return {-1, 0, missing} end
 local own = chain[1]
@@ -27,9 +28,22 @@ if prior then
   return {code, math.max(own.limit - own.used, 0), ''}
 end
 local refusing = refusing_level(chain, tokens)
+-- A caller gets a definite answer: a level still counting charges that left
+-- its window is caught up first (a few more bounded steps, in this call).
+for _ = 1, 4 do
+  local behind = false
+  for i = 1, #chain do behind = behind or chain[i].behind end
+  if not (refusing and behind) then break end
+  chain = budget_chain(K, name, now)
+  own = chain[1]
+  refusing = refusing_level(chain, tokens)
+end
 if refusing then
   redis.call('HINCRBY', refusing.key, 'rejected', 1)
   return {0, math.max(own.limit - own.used, 0), refusing.name}
 end
 reserve(K, rid, ARGV[5], chain, tokens, now)
+-- A caller's hold expires (its caller may have crashed): the record goes, the
+-- charge stays (spent, as far as anyone can tell); settling it then answers 'missing'.
+redis.call('PEXPIRE', K.resvp .. rid, tonumber(ARGV[6]))
 return {1, own.limit - own.used, ''}

@@ -2,7 +2,7 @@
 --
 -- KEYS[1 .. 7]  flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
 -- KEYS[8] wake (idle workers are woken when tokens go back to a budget with parked jobs)
--- ARGV[1] now (ms)  ARGV[2] reservation id  ARGV[3] 'commit' | 'refund' | 'unknown'
+-- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] reservation id  ARGV[3] 'commit' | 'refund' | 'unknown'
 -- ARGV[4] tokens actually used (commit; -1 keeps the reserved amount)
 --
 -- Returns {state, changed, charged, over}: the reservation's state after the
@@ -10,10 +10,11 @@
 -- settled before, so repeating a commit or refund changes nothing), the tokens
 -- it charges now, and usage beyond what the budgets could still admit.
 
+-- @include clock
 -- @include ledger
 
 local K = with_flow_keys({}, 1)
-local state, changed, freed = settle(K, ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[1]))
+local state, changed, freed = settle(K, ARGV[2], ARGV[3], tonumber(ARGV[4]), clock_ms(ARGV[1]))
 if freed then redis.call('ZADD', KEYS[8], 0, 'w') end
 local r = redis.call('HMGET', K.resvp .. ARGV[2], 'amt', 'over')
 local flag = 0

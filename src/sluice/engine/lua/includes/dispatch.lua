@@ -1,9 +1,10 @@
 -- The dispatch step shared by dispatch.lua and finish.lua: admission control.
 --
--- promote_due(K, now): moves delayed jobs whose time has come to waiting, at
---   the waiting score they were given when added (their place in line), and
---   jobs parked on a budget whose window turned (or rolled) back to waiting.
 -- load_gates(K, now) -> G: the queue's flow controls, read once per call.
+-- promote_due(K, G, now): moves delayed jobs whose time has come to waiting, at
+--   the waiting score they were given when added (their place in line), and
+--   jobs parked on a budget that may have room again (its window turned or
+--   rolled, tokens came back, its limit rose) as far as that room admits them.
 -- queue_wait(K, G, now): 0 if the queue-wide gates admit a job now; else when
 --   they may (ms), or -1 if only an event can open them (resume, a freed slot).
 -- take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C) -> taken, wait:
@@ -13,6 +14,8 @@
 --   budget(s), reserved at once on every level. A job whose budget refuses it
 --   is rejected or parked (its on_exhausted policy) and the next one is
 --   considered; a queue-wide gate stops the step (strict priority order).
+--   At most EXAMINE_MAX jobs are looked at; a call stopped there with jobs
+--   still waiting answers wait = now (come back at once).
 --   Appends 9 values per job to `out`:
 --     id, token, name, payload, attempt, max_attempts, timeout_ms, backoff, created
 --   `wait` is 0 when nothing refused, else as for queue_wait.
@@ -27,68 +30,12 @@
 
 -- @include ledger
 
--- Moves every job parked on budget `name` back to waiting, in its place in line.
-local function unpark(K, name)
-  local pk = K.parkp .. name
-  local parked = redis.call('ZRANGE', pk, 0, -1, 'WITHSCORES')
-  for i = 1, #parked, 2 do
-    local jk = K.jobp .. parked[i]
-    if redis.call('HGET', jk, 'state') == 'parked' then
-      redis.call('HSET', jk, 'state', 'waiting')
-      redis.call('HDEL', jk, 'parked')
-      redis.call('ZADD', K.waiting, parked[i + 1], parked[i])
-    end
-  end
-  redis.call('DEL', pk)
-  redis.call('ZREM', K.parkedby, name)
-  return #parked / 2
-end
-
-local function unpark_due(K, now)
-  local names = redis.call('ZRANGEBYSCORE', K.parkedby, '-inf', now, 'LIMIT', 0, 100)
-  for i = 1, #names do unpark(K, names[i]) end
-end
-
-local function promote_due(K, now)
-  unpark_due(K, now)
-  local due = redis.call('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 500)
-  if #due == 0 then return 0 end
-  for i = 1, #due do
-    local jk = K.jobp .. due[i]
-    local score = redis.call('HGET', jk, 'score')
-    if score then
-      redis.call('ZADD', K.waiting, score, due[i])
-      redis.call('HSET', jk, 'state', 'waiting')
-    end
-  end
-  redis.call('ZREM', K.delayed, unpack(due))
-  return #due
-end
-
-local function load_gates(K, now)
-  local f = redis.call('HMGET', K.control, 'paused', 'throttled_until', 'concurrency', 'rate_max',
-                       'rate_ms', 'tpm')
-  local G = {paused = f[1] == '1', until_ms = tonumber(f[2]) or 0, conc = tonumber(f[3]),
-             rate_max = tonumber(f[4]), rate_ms = tonumber(f[5]) or 0, tpm = nil, cache = {}}
-  if G.conc then G.active = redis.call('ZCARD', K.active) end
-  if G.rate_max then
-    redis.call('ZREMRANGEBYSCORE', K.starts, '-inf', now - G.rate_ms)
-    G.starts = redis.call('ZCARD', K.starts)
-  end
-  if f[6] == '1' then G.tpm = load_budget(K, '#tpm', now) end
-  return G
-end
-
-local function queue_wait(K, G, now)
-  if G.paused then return -1 end
-  if G.until_ms > now then return G.until_ms end
-  if G.conc and G.active >= G.conc then return -1 end
-  if G.rate_max and G.starts >= G.rate_max then
-    local first = redis.call('ZRANGE', K.starts, 0, 0, 'WITHSCORES')
-    return tonumber(first[2]) + G.rate_ms
-  end
-  return 0
-end
+-- The most work one call may do (docs/architecture.md, "Bounded work"): Redis
+-- serves nobody while a script runs, so no loop here grows with a queue.
+local PROMOTE_MAX = 100   -- delayed jobs promoted
+local UNPARK_BUDGETS = 2  -- budgets whose parked jobs are tried again
+local UNPARK_MAX = 50     -- parked jobs looked at per such budget
+local EXAMINE_MAX = 40    -- units of take_jobs' work: a job looked at is 1, each level it charges 2
 
 -- The job's budget and those above it, loaded once per script call.
 local function cached_chain(K, G, name, now)
@@ -109,6 +56,119 @@ local function cached_chain(K, G, name, now)
   return c.chain, c.missing
 end
 
+-- When budget `b` (with the levels above it in `chain`) may admit `need`
+-- tokens, computed once per budget per call (for the first need asked):
+-- the retry time only says when to look again, and the look re-decides.
+local function cached_retry_at(K, G, b, need, now)
+  local key = '#retry:' .. b.name
+  local at = G.cache[key]
+  if at == nil then
+    at = budget_retry_at(K, b, need, now)
+    G.cache[key] = at
+  end
+  return at
+end
+
+-- Moves the jobs parked on budget `name` that its room (and every level
+-- above it) can admit back to waiting, in their place in line: at most
+-- UNPARK_MAX looked at, best first. Those that do not fit stay parked, and
+-- the budget's retry time becomes when the first of them may fit besides
+-- those moved (or now, if the look stopped at its bound). Returns the number
+-- moved. A job that fitted but loses its room to a better one on the way is
+-- parked again by take_jobs, without an event.
+local function unpark_some(K, G, name, now)
+  local pk = K.parkp .. name
+  local chain = cached_chain(K, G, name, now)
+  local room = nil -- no budget any more: every job goes back, and dispatch rejects it
+  if chain then
+    room = chain[1].limit - chain[1].used
+    for i = 2, #chain do room = math.min(room, chain[i].limit - chain[i].used) end
+  end
+  local head = redis.call('ZRANGE', pk, 0, UNPARK_MAX - 1, 'WITHSCORES')
+  local moved, taken, blocked = 0, 0, nil
+  for i = 1, #head, 2 do
+    local id = head[i]
+    local jk = K.jobp .. id
+    local f = redis.call('HMGET', jk, 'state', 'tokens')
+    local need = math.max(math.floor(tonumber(f[2]) or 0), 0)
+    if f[1] ~= 'parked' then
+      redis.call('ZREM', pk, id) -- a stale entry (record gone or changed by hand)
+    elseif room == nil or need <= room then
+      if room then room, taken = room - need, taken + need end
+      redis.call('ZREM', pk, id)
+      redis.call('HSET', jk, 'state', 'waiting')
+      redis.call('ZADD', K.waiting, head[i + 1], id)
+      moved = moved + 1
+    elseif blocked == nil then
+      blocked = need
+    end
+  end
+  if redis.call('EXISTS', pk) == 0 then
+    redis.call('ZREM', K.parkedby, name)
+  elseif blocked == nil then
+    redis.call('ZADD', K.parkedby, now, name) -- stopped at the bound: more next call
+  else
+    -- The first that did not fit needs its tokens on top of those just moved back.
+    local need = taken + blocked
+    local at = cached_retry_at(K, G, refusing_level(chain, need), need, now)
+    if at < 0 then at = '+inf' end
+    redis.call('ZADD', K.parkedby, at, name)
+  end
+  if moved > 0 then emit(K.events, K.maxlen, 'unparked', '', 'budget', name) end
+  return moved
+end
+
+local function promote_due(K, G, now)
+  local names = redis.call('ZRANGEBYSCORE', K.parkedby, '-inf', now, 'LIMIT', 0, UNPARK_BUDGETS)
+  for i = 1, #names do unpark_some(K, G, names[i], now) end
+  local due = redis.call('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, PROMOTE_MAX)
+  if #due == 0 then return 0 end
+  for i = 1, #due do
+    local jk = K.jobp .. due[i]
+    local score = redis.call('HGET', jk, 'score')
+    if score then
+      redis.call('ZADD', K.waiting, score, due[i])
+      redis.call('HSET', jk, 'state', 'waiting')
+    end
+  end
+  redis.call('ZREM', K.delayed, unpack(due))
+  return #due
+end
+
+local function load_gates(K, now)
+  local f = redis.call('HMGET', K.control, 'paused', 'throttled_until', 'concurrency', 'rate_max',
+                       'rate_ms', 'tpm')
+  local G = {paused = f[1] == '1', until_ms = tonumber(f[2]) or 0, conc = tonumber(f[3]),
+             rate_max = tonumber(f[4]), rate_ms = tonumber(f[5]) or 0, tpm = nil, cache = {}}
+  if G.conc then G.active = redis.call('ZCARD', K.active) end
+  if G.rate_max then
+    -- Counted, not pruned, to be exact: ZCOUNT is O(log n) however many starts
+    -- have just left the window; they are removed at most LOG_PRUNE_MAX per call.
+    local cutoff = now - G.rate_ms
+    G.starts = redis.call('ZCOUNT', K.starts, '(' .. cutoff, '+inf')
+    local old = redis.call('ZRANGE', K.starts, LOG_PRUNE_MAX - 1, LOG_PRUNE_MAX - 1, 'WITHSCORES')
+    if #old > 0 and tonumber(old[2]) <= cutoff then
+      redis.call('ZREMRANGEBYRANK', K.starts, 0, LOG_PRUNE_MAX - 1)
+    else
+      redis.call('ZREMRANGEBYSCORE', K.starts, '-inf', cutoff)
+    end
+  end
+  if f[6] == '1' then G.tpm = load_budget(K, '#tpm', now) end
+  return G
+end
+
+local function queue_wait(K, G, now)
+  if G.paused then return -1 end
+  if G.until_ms > now then return G.until_ms end
+  if G.conc and G.active >= G.conc then return -1 end
+  if G.rate_max and G.starts >= G.rate_max then
+    local first = redis.call('ZRANGEBYSCORE', K.starts, '(' .. (now - G.rate_ms), '+inf', 'WITHSCORES',
+                             'LIMIT', 0, 1)
+    return tonumber(first[2]) + G.rate_ms
+  end
+  return 0
+end
+
 local function reject_job(K, jk, id, reason, now, C)
   redis.call('HSET', jk, 'state', 'rejected', 'finished', now, 'error', reason)
   if K.keep_ms > 0 then redis.call('PEXPIRE', jk, K.keep_ms) end
@@ -116,13 +176,15 @@ local function reject_job(K, jk, id, reason, now, C)
   emit(K.events, K.maxlen, 'rejected', id, 'reason', reason)
 end
 
-local function park_job(K, jk, id, score, b, need, now)
+-- A job that was parked on the same budget before (and not leased since)
+-- goes back without an event: one 'parked' event per wait, not per look.
+local function park_job(K, G, jk, id, score, b, need, was_on, now)
   redis.call('ZADD', K.parkp .. b.name, score, id)
   redis.call('HSET', jk, 'state', 'parked', 'parked', b.name)
-  local at = budget_retry_at(K, b, need, now)
+  local at = cached_retry_at(K, G, b, need, now)
   if at < 0 then at = '+inf' end
   redis.call('ZADD', K.parkedby, 'LT', at, b.name)
-  emit(K.events, K.maxlen, 'parked', id, 'budget', b.name)
+  if was_on ~= b.name then emit(K.events, K.maxlen, 'parked', id, 'budget', b.name) end
 end
 
 -- Gates that depend on the job: the token-rate window and its budget(s).
@@ -140,7 +202,10 @@ local function admit_job(K, G, jk, id, f, score, now, C)
                  .. tpm.limit .. '; split the job or raise the limit', now, C)
       return 'skip'
     end
-    if tpm.used + tokens > tpm.limit then return 'block', roll_free_at(K, tpm, tokens) end
+    if tpm.used + tokens > tpm.limit then
+      if tpm.behind then return 'block', now end -- 'used' still counts charges that left
+      return 'block', roll_free_at(K, tpm, tokens)
+    end
   end
   local budget = f[10]
   if budget then
@@ -152,8 +217,13 @@ local function admit_job(K, G, jk, id, f, score, now, C)
     end
     local refusing = refusing_level(chain, tokens)
     if refusing then
+      -- A level still counting charges that left its window refuses nothing
+      -- yet: the step stops, and the caller comes back at once.
+      for i = 1, #chain do
+        if chain[i].behind then return 'block', now end
+      end
       if f[11] == 'wait' then
-        park_job(K, jk, id, f[12] or score, refusing, tokens, now)
+        park_job(K, G, jk, id, f[12] or score, refusing, tokens, f[13], now)
       else
         reject_job(K, jk, id, 'budget ' .. refusing.name .. ' cannot admit ' .. tokens .. ' tokens ('
                    .. math.max(refusing.limit - refusing.used, 0) .. ' of ' .. refusing.limit
@@ -177,12 +247,15 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
   -- jobs are popped at once (ZPOPMIN), as cheap as a queue without gates;
   -- with one, each is looked at (ZRANGE) and removed only once decided.
   local gated = G.conc or G.rate_max or G.tpm
-  while taken < max_jobs and examined < 1000 do
+  while taken < max_jobs and examined < EXAMINE_MAX do
     local head
+    -- A batch is examined whole, and a job that charges a budget weighs 3: a batch
+    -- is as large as the bound can take if every job in it does.
+    local n = math.min(max_jobs - taken, math.max(1, math.floor((EXAMINE_MAX - examined) / 3)))
     if gated then
-      head = redis.call('ZRANGE', K.waiting, 0, max_jobs - taken - 1, 'WITHSCORES')
+      head = redis.call('ZRANGE', K.waiting, 0, n - 1, 'WITHSCORES')
     else
-      head = redis.call('ZPOPMIN', K.waiting, max_jobs - taken)
+      head = redis.call('ZPOPMIN', K.waiting, n)
     end
     if #head == 0 then break end
     for i = 1, #head, 2 do
@@ -194,14 +267,21 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
       local id = head[i]
       local jk = K.jobp .. id
       local f = redis.call('HMGET', jk, 'name', 'payload', 'max_attempts', 'timeout_ms', 'backoff',
-                           'created', 'attempt', 'token', 'tokens', 'budget', 'on_ex', 'score')
+                           'created', 'attempt', 'token', 'tokens', 'budget', 'on_ex', 'score',
+                           'parked')
       if not f[1] then
         -- The record is gone (deleted by hand, or evicted): nothing to run.
         if gated then redis.call('ZREM', K.waiting, id) end
         C.orphaned = C.orphaned + 1
       else
         local verdict, levels = admit_job(K, G, jk, id, f, head[i + 1], now, C)
-        if verdict == 'block' then return taken, levels end
+        if verdict == 'block' then
+          if not gated then
+            -- Popped already (ZPOPMIN): this job and the rest of the batch go back.
+            for j = i, #head, 2 do redis.call('ZADD', K.waiting, head[j + 1], head[j]) end
+          end
+          return taken, levels
+        end
         if gated then redis.call('ZREM', K.waiting, id) end
         if verdict == 'take' then
           -- Counters that do not parse (a record damaged by another writer) restart
@@ -210,10 +290,12 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
           local token = (tonumber(f[8]) or 0) + 1
           redis.call('HSET', jk, 'state', 'active', 'started', now, 'worker', worker,
                      'attempt', attempt, 'token', token)
+          if f[13] then redis.call('HDEL', jk, 'parked') end
           if #levels > 0 then
             local rid = id .. ':' .. token
             reserve(K, rid, id, levels, math.max(math.floor(tonumber(f[9]) or 0), 0), now)
             redis.call('HSET', jk, 'rid', rid)
+            examined = examined + 2 * #levels -- a reservation costs about twice a plain lease
           end
           redis.call('ZADD', K.active, deadline, id)
           if G.conc then G.active = G.active + 1 end
@@ -236,6 +318,10 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
         end
       end
     end
+  end
+  -- Stopped at the bound with work left: the caller is told to come back now.
+  if taken < max_jobs and examined >= EXAMINE_MAX and redis.call('ZCARD', K.waiting) > 0 then
+    return taken, now
   end
   return taken, 0
 end

@@ -6,6 +6,8 @@
 --       'f' failed (value = error text; retried at retry_at while attempts
 --           remain, else dead-lettered)
 --       'p' failed permanently (dead-lettered now)
+--       'o' failed by overrunning its timeout and being stopped hard (as 'f',
+--           and counted as 'overrun')
 --       'r' released unfinished (back to waiting; the attempt is not counted)
 --       'x' cancelled while running (after a cancel request)
 --       't' throttled by the provider (value = retry after, ms): the queue
@@ -34,7 +36,7 @@ local function settle_attempt(K, jk, rid, kind, usage, now, C)
   elseif kind ~= 'c' and usage < 0 then
     how = 'unknown'
   end
-  local _, changed = settle(K, rid, how, usage, now)
+  local _, changed = settle(K, rid, how, usage, now, K.keep_ms)
   if changed and how == 'unknown' then C.unknown_outcome = C.unknown_outcome + 1 end
 end
 
@@ -47,6 +49,12 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C
     return 0
   end
   redis.call('ZREM', K.active, id)
+  if kind == 'o' then
+    -- Overran its timeout and was stopped hard (its process ended): a failure,
+    -- counted apart so that an operator sees it without reading errors.
+    C.overrun = C.overrun + 1
+    kind = 'f'
+  end
   settle_attempt(K, jk, cur[8], kind, usage, now, C)
   -- A record whose numbers do not parse (damaged by another writer) must not
   -- fail the whole batch: missing numbers count as 0, a missing score dead-letters.
@@ -116,7 +124,8 @@ end
 
 local function new_counts()
   return {completed = 0, failed = 0, dead = 0, retried = 0, released = 0, cancelled = 0,
-          stale_refused = 0, throttled = 0, rejected = 0, orphaned = 0, unknown_outcome = 0}
+          stale_refused = 0, throttled = 0, rejected = 0, orphaned = 0, unknown_outcome = 0,
+          overrun = 0}
 end
 
 local function flush_counts(stats_key, C)

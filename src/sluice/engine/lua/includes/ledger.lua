@@ -74,6 +74,9 @@ local function period_of(win, now)
   return y * 12 + (m - 1), days_from_civil(ny, nm, 1) * 86400000
 end
 
+-- Charges that leave a rolling window in one call, at most.
+local LOG_PRUNE_MAX = 1000
+
 -- The amount of a rolling log member ('<amount> <rid>').
 local function log_amount(member)
   return tonumber(string.match(member, '^(%d+) ')) or 0
@@ -96,13 +99,18 @@ local function load_budget(K, name, now)
       redis.call('HSET', bk, 'period', p, 'used', 0)
     end
   elseif b.win == 'roll' then
+    -- At most LOG_PRUNE_MAX charges leave per call (bounded work: a whole
+    -- window can pass at once). Until the rest have left too, 'used' still
+    -- counts them and the budget is 'behind': it may refuse nothing on that
+    -- account (see admit_job), it only asks the caller to come back.
     local lk = K.logp .. name
-    local gone = redis.call('ZRANGEBYSCORE', lk, '-inf', now - b.win_ms)
+    local gone = redis.call('ZRANGEBYSCORE', lk, '-inf', now - b.win_ms, 'LIMIT', 0, LOG_PRUNE_MAX)
     if #gone > 0 then
       for i = 1, #gone do b.used = b.used - log_amount(gone[i]) end
       if b.used < 0 then b.used = 0 end
-      redis.call('ZREMRANGEBYSCORE', lk, '-inf', now - b.win_ms)
+      redis.call('ZREMRANGEBYRANK', lk, 0, #gone - 1)
       redis.call('HSET', bk, 'used', b.used)
+      if #gone >= LOG_PRUNE_MAX then b.behind = true end
     end
   end
   return b
@@ -204,7 +212,7 @@ end
 -- make the jobs parked on those budgets due for another try. Returns the
 -- state after the call, whether this call changed it, and whether tokens
 -- were given back to a budget with parked jobs.
-local function settle(K, rid, how, actual, now)
+local function settle(K, rid, how, actual, now, keep_ms)
   local rk = K.resvp .. rid
   local r = redis.call('HMGET', rk, 'state', 'amt', 'b', 'p')
   if not r[1] then return 'missing', false, false end
@@ -257,8 +265,13 @@ local function settle(K, rid, how, actual, now)
   local state = 'committed'
   if how == 'refund' then state = 'refunded' elseif how == 'unknown' then state = 'unknown' end
   redis.call('HSET', rk, 'state', state, 'amt', amt + delta, 'settled', now)
-  -- Kept long enough to answer a late commit or refund, and for rolling
-  -- windows (at most 7 days) to expire it from their logs.
-  redis.call('PEXPIRE', rk, 8 * 86400000)
+  -- Kept long enough to answer a late commit or refund: a caller's for 8 days
+  -- (longer than any rolling window), a job attempt's as long as its job's
+  -- record (`keep_ms`), so finished jobs do not leave reservations behind.
+  if keep_ms and keep_ms > 0 then
+    redis.call('PEXPIRE', rk, math.min(keep_ms, 8 * 86400000))
+  else
+    redis.call('PEXPIRE', rk, 8 * 86400000)
+  end
   return state, true, freed
 end
