@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -54,7 +55,7 @@ async def test_the_workers_clocks_really_are_apart(procs: WorkerProcs, redis: Re
     await asyncio.gather(*(j.result(timeout=15) for j in jobs))
     redis_now = await queue_now_ms(queue)
     recorded = await redis.hgetall(spans_key(procs.prefix))
-    offsets = {}
+    offsets: dict[str, list[int]] = {}
     for raw in recorded.values():
         span = orjson.loads(raw)
         offsets.setdefault(span["worker"], []).append(span["start"] - redis_now)
@@ -129,8 +130,10 @@ async def test_a_killed_worker_leaves_the_workers_list(
     # heartbeat removes it from Redis too: the hash does not grow with crashes
     async def forgotten() -> bool:
         listed = [w.id for w in await queue.workers()]
-        stored = sorted(k.decode() for k in await redis.hkeys(queue.keys.workers))
-        alive = sorted(m.decode() for m in await redis.zrange(queue.keys.alive, 0, -1))
+        keys: Any = await redis.hkeys(queue.keys.workers)
+        members: Any = await redis.zrange(queue.keys.alive, 0, -1)
+        stored = sorted(k.decode() for k in keys)
+        alive = sorted(m.decode() for m in members)
         return listed == stored == alive == ["survivor"]
 
     await eventually(forgotten, timeout=5)

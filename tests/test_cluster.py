@@ -185,8 +185,7 @@ async def test_a_redis_cluster_client_can_be_passed_as_it_is(cluster: EmbeddedCl
     worker = echo_worker(name, prefix)
     try:
         # When a Queue and a Worker are given it
-        # (Worker.run is typed for a Redis or a URL; a RedisCluster works all the same)
-        async with running_worker(worker, rc):  # type: ignore[arg-type]
+        async with running_worker(worker, rc):
             q = Queue(name, redis=rc, prefix=prefix)
             job = await q.add("echo", {"ok": True})
             # Then they work as with a URL, and closing the queue leaves the client open

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -15,7 +16,8 @@ async def test_an_evicting_redis_is_warned_about_once(
     redis: Redis, prefix: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(eviction, "_checked", set())
-    before = (await redis.config_get("maxmemory-policy"))["maxmemory-policy"]
+    config: Any = await redis.config_get("maxmemory-policy")
+    before = str(config["maxmemory-policy"])
     await redis.config_set("maxmemory-policy", "allkeys-lru")
     try:
         with caplog.at_level(logging.WARNING, logger="sluice.queue"):
