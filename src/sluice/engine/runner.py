@@ -353,7 +353,11 @@ class Runner:
         failures = 0
         while True:
             self.kick.clear()
-            free = 0 if self.stopping else self.concurrency - len(self.running)
+            # A finished job holds its slot until Redis has its outcome: a call hands in at
+            # most STEP_OUTCOMES, so taking a new job per finished one would let outcomes
+            # (and the leases renewed for them) pile up without bound under short jobs.
+            waiting_outcomes = len(self.done) + (len(self._pending.outcomes) if self._pending else 0)
+            free = 0 if self.stopping else max(self.concurrency - len(self.running) - waiting_outcomes, 0)
             if self.done or self._pending is not None or (free > 0 and self.more):
                 try:
                     await self._step(free)
