@@ -54,6 +54,7 @@ CLUSTER_BINARY = _SYSTEM if _SYSTEM is not None and _SYSTEM.major_minor >= (7, 0
 #: Test modules about the engine's behaviour, which run on the cluster too.
 CLUSTER_MODULES = frozenset(
     {
+        "test_cancellation",
         "test_queue",
         "test_worker",
         "test_flow",

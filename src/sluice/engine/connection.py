@@ -48,6 +48,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from sluice.engine.cancel_safe import cancel_safe, cancel_safe_cluster
 from sluice.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -109,6 +110,7 @@ def connect(url: str, **options: Any) -> Client:
         options.setdefault("maint_notifications_config", MaintNotificationsConfig(enabled=False))
     try:
         pool = aioredis.BlockingConnectionPool.from_url(url, **options)
+        pool.connection_class = cancel_safe(pool.connection_class)
         # Build one connection object now (no I/O): an option it does not take fails here,
         # as a configuration error, not at the first command as a TypeError.
         pool.connection_class(**pool.connection_kwargs)
@@ -196,7 +198,7 @@ class Client(aioredis.Redis):
         # A slot of another queue being moved must not stop this queue's commands.
         options.setdefault("require_full_coverage", False)
         try:
-            cluster = RedisCluster.from_url(self._url, **options)
+            cluster = cancel_safe_cluster(RedisCluster.from_url(self._url, **options))
         except (TypeError, ValueError, RedisClusterException) as exc:
             raise ConfigurationError(
                 f"Redis URL {redact(self._url)!r} names a Redis Cluster node, but a cluster "
@@ -339,7 +341,7 @@ async def _cluster_server(
     kwargs = dict(node.connection_kwargs)
     if MaintNotificationsConfig is not None:
         kwargs.setdefault("maint_notifications_config", MaintNotificationsConfig(enabled=False))
-    return node.connection_class, kwargs
+    return cancel_safe(node.connection_class), kwargs
 
 
 async def mapped(awaitable: Awaitable[T]) -> T:
@@ -378,7 +380,7 @@ async def server_for(
     cluster = await redis.cluster_client() if isinstance(redis, Client) else None
     if cluster is None:
         pool = redis.connection_pool
-        return pool.connection_class, dict(pool.connection_kwargs)
+        return cancel_safe(pool.connection_class), dict(pool.connection_kwargs)
     return await _cluster_server(cluster, key, refresh=refresh)
 
 
@@ -393,7 +395,7 @@ def _blocking_pool(
     kwargs = dict(kwargs)
     kwargs["socket_timeout"] = BLOCKING_TIMEOUT
     kwargs.setdefault("socket_connect_timeout", CONNECT_TIMEOUT)
-    return aioredis.ConnectionPool(connection_class=connection_class, **kwargs)
+    return aioredis.ConnectionPool(connection_class=cancel_safe(connection_class), **kwargs)
 
 
 class _BlockingClient(aioredis.Redis):

@@ -358,7 +358,8 @@ class Queue(QueueAdmin, FlowControl):
                 # been trimmed past an event before the reader saw it.
                 step = 5.0 if remaining is None else min(remaining, 5.0)
                 with contextlib.suppress(TimeoutError):
-                    outcome = await asyncio.wait_for(asyncio.shield(fut), step)
+                    async with asyncio.timeout(step):  # not wait_for, which can drop a cancel
+                        outcome = await asyncio.shield(fut)
                     if outcome.event == b"completed" and b"result" in outcome.fields:
                         return decode(outcome.fields[b"result"])
                     fut = await waiter.register(job_id)

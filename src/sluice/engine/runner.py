@@ -382,7 +382,8 @@ class Runner:
                 await self.kick.wait()
             else:
                 try:
-                    await asyncio.wait_for(self.kick.wait(), max(due_in, 0.0))
+                    async with asyncio.timeout(max(due_in, 0.0)):  # not wait_for: see cancel_safe.py
+                        await self.kick.wait()
                 except TimeoutError:
                     self.more = True
             self.idle.clear()
@@ -438,7 +439,8 @@ class Runner:
             await asyncio.sleep(delay)
         else:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await wake.wait()
 
     def _unsent(self) -> list[Outcome]:
         """Outcomes Redis has not confirmed: the call in flight's, then those waiting."""

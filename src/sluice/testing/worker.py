@@ -34,4 +34,5 @@ async def running_worker(
         yield task
     finally:
         worker.stop()
-        await asyncio.wait_for(task, stop_timeout)
+        async with asyncio.timeout(stop_timeout):
+            await task
