@@ -55,11 +55,13 @@ CLUSTER_BINARY = _SYSTEM if _SYSTEM is not None and _SYSTEM.major_minor >= (7, 0
 CLUSTER_MODULES = frozenset(
     {
         "test_cancellation",
+        "test_retention",
         "test_queue",
         "test_worker",
         "test_flow",
         "test_budgets",
         "test_ledger_regressions",
+        "test_model",
     }
 )
 #: A test that asks for one of these needs one server of its own (to restart, stop or inspect).

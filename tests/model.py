@@ -99,6 +99,8 @@ REJECTED = "rejected"
 
 #: The live states that have a sorted set of their own.
 LIVE_SETS = (WAITING, DELAYED, ACTIVE, DEAD)
+#: Finished states indexed for retention (dead jobs are in the dead set).
+FINISHED_SETS = (COMPLETED, CANCELLED, REJECTED)
 
 #: The cumulative counters Queue.counts() reports (dead_total is stats "dead").
 COUNTERS = (
@@ -189,7 +191,7 @@ class ModelJob:
     result: str | None = None
     error: str | None = None
     cancel: int | None = None  # when a cancel was requested while running
-    expires: bool = False  # a finished record kept for keep_ms, then expired
+    expires: bool = False  # a finished record: kept for its kind's retention age, then expired
     usage: int | None = None  # tokens the last attempt that reported any used
     rid: str | None = None  # the reservation of the last attempt that reserved
     parked: str | None = None  # parked: the budget it waits for
@@ -380,11 +382,11 @@ class Control:
 
 @dataclass
 class Model:
-    """One queue. ``keep_ms``: how long finished records are kept (0 = forever);
+    """One queue, with the default retention (every finished record expires, after a day or
+    more: the model's time never gets there, and no count limit is reached);
     ``ev_result_max``: the largest result copied into a 'completed' event;
     ``idem_prefix``: the Redis key prefix of idempotency keys."""
 
-    keep_ms: int
     ev_result_max: int
     idem_prefix: str
     seq: int = 0
@@ -397,6 +399,8 @@ class Model:
     starts: dict[str, int] = field(default_factory=dict)  # request-rate window: <id>:<token> -> start
     budgets: dict[str, ModelBudget] = field(default_factory=dict)
     resv: dict[str, ModelReservation] = field(default_factory=dict)
+    #: reservations deleted with their purged job: gone from Redis, still charged
+    forgotten: dict[str, ModelReservation] = field(default_factory=dict)
     parkedby: dict[str, float] = field(default_factory=dict)  # budget -> when to retry its parked jobs
     _retry_cache: dict[str, float] = field(default_factory=dict)  # budget -> retry time, per step
     stepped: bool = False  # a dispatch call made the queue's epoch
@@ -406,6 +410,12 @@ class Model:
         """The sorted set of a live state: (id, score), in Redis's order
         (score, then member bytes)."""
         members = [(j.id, j.set_score()) for j in self.jobs.values() if j.state == state]
+        return sorted(members, key=lambda m: (m[1], m[0].encode()))
+
+    def finished(self, state: str) -> list[tuple[str, int]]:
+        """The retention index of a finished state (completed, cancelled, rejected): (id, when
+        it finished), in Redis's order."""
+        members = [(j.id, j.finished or 0) for j in self.jobs.values() if j.state == state]
         return sorted(members, key=lambda m: (m[1], m[0].encode()))
 
     def ids(self, state: str) -> list[str]:
@@ -427,14 +437,18 @@ class Model:
     def check(self) -> None:
         """The model's own bookkeeping: every stored 'used' is the sum of the amounts of the
         reservations the budget counts, and every parked job's budget says when to retry."""
+        everything = self.resv | self.forgotten
         for b in self.budgets.values():
             if b.win == "roll":  # the log holds what the window counts
                 counted = [amount for _, amount in b.log.values()]
                 for rid, (_, amount) in b.log.items():  # the reservation's amount, but for overuse
-                    assert amount == self.resv[rid].amt or b.name == TOKEN_RATE, (b.name, rid)
+                    assert amount == everything[rid].amt or b.name == TOKEN_RATE, (b.name, rid)
             else:
                 counted = [
-                    r.amt for r in self.resv.values() for i in self._levels_of(r, b) if self._counted(b, r, i)
+                    r.amt
+                    for r in everything.values()
+                    for i in self._levels_of(r, b)
+                    if self._counted(b, r, i)
                 ]
             assert b.used == sum(counted), (b.name, b.used, counted)
         for j in self.jobs.values():
@@ -451,9 +465,9 @@ class Model:
             self.wake = True
 
     def _end(self, job: ModelJob, state: str, now: int) -> None:
-        """A terminal state whose record is kept for keep_ms."""
+        """A terminal state, whose record expires with its kind's retention age."""
         job.state, job.finished = state, now
-        job.expires = self.keep_ms > 0
+        job.expires = True
 
     # ---- add ---------------------------------------------------------------------------
     def add(self, now: int, specs: list[AddSpec]) -> list[tuple[str, bool]] | str:
@@ -757,7 +771,7 @@ class Model:
         self.stats["failed"] += 1
         self._emit("failed", job.id, "error", error)
         if permanent or job.attempt >= job.spec.max_attempts:
-            job.state, job.finished, job.dead_at = DEAD, now, now
+            job.state, job.finished, job.dead_at, job.expires = DEAD, now, now, True
             self.stats["dead"] += 1
             self._emit("dead", job.id, "error", error)
             return 3
@@ -801,7 +815,7 @@ class Model:
                 err = (
                     f"lease expired {job.stalls} times (worker lost or hung); last worker {job.worker or '?'}"
                 )
-                job.state, job.finished, job.error, job.dead_at = DEAD, now, err, now
+                job.state, job.finished, job.error, job.dead_at, job.expires = DEAD, now, err, now, True
                 self._emit("dead", job_id, "error", err)
                 dead += 1
             else:
@@ -840,7 +854,7 @@ class Model:
             elif job.state != DEAD:
                 codes.append(0)
             else:
-                job.state = WAITING
+                job.state, job.expires = WAITING, False
                 job.attempt = job.failures = job.stalls = 0
                 job.finished = job.cancel = None
                 self._emit("redriven", job_id)
@@ -854,6 +868,9 @@ class Model:
             job = self.jobs.get(job_id)
             if job is not None and job.state == DEAD:
                 del self.jobs[job_id]
+                # its last reservation goes with it (its idempotency key stays, to its TTL)
+                if job.rid is not None and job.rid in self.resv:
+                    self.forgotten[job.rid] = self.resv.pop(job.rid)
                 removed += 1
         return removed
 

@@ -97,3 +97,27 @@ async def test_negative_numbers_reach_the_command(redis: Redis, redis_url: str, 
     )
     await invoke("enqueue", "x", "-7", "--any-name", *where)
     assert (await q.get_job("1")).payload == -7  # type: ignore[union-attr]
+
+
+async def test_retention_commands_show_and_change_the_queues_setting(
+    redis: Redis, redis_url: str, prefix: str
+) -> None:
+    q = Queue("kept", redis=redis, prefix=prefix)
+    where = ["--queue", "kept", "--prefix", prefix, "--redis", redis_url]
+    out = (await invoke("retention", "show", *where, env={"COLUMNS": "80"})).stdout
+    assert "completed" in out and "1d" in out and "1,000,000 jobs" in out and "30d" in out
+    await invoke("retention", "set", "completed", "--age", "2h", "--count", "50_000", *where)
+    await invoke("retention", "set", "dead", "--age", "none", *where)
+    kept = await q.retention()
+    assert (kept["completed"].age, kept["completed"].count, kept["dead"].age) == (7200.0, 50_000, None)
+    shown = json.loads((await invoke("retention", "show", "--json", *where)).stdout)
+    assert shown["completed"] == {"age": 7200.0, "count": 50_000} and shown["dead"]["age"] is None
+    for args, says in (
+        (["finished", "--age", "1h"], "use one of completed, dead"),
+        (["dead", "--age", "2x"], "use a duration such as 90s"),
+        (["dead", "--count", "0"], "whole number of jobs"),
+        (["dead"], "give --age or --count"),
+    ):
+        bad = await invoke("retention", "set", *args, *where, code=2)
+        assert says in bad.output, bad.output
+    assert await q.retention() == kept

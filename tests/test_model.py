@@ -74,6 +74,7 @@ from tests.model import (
     CANCELLED,
     DEAD,
     DELAYED,
+    FINISHED_SETS,
     LIVE_SETS,
     PARKED,
     REJECTED,
@@ -212,7 +213,7 @@ def _sorted(members: dict[str, float]) -> list[tuple[str, float]]:
 
 #: Reads every key of a queue in one call (KEYS ARGV[1]): per key its name, type, PTTL and
 #: contents (a hash or a sorted set as a flat list, a string as a list of one, a stream as
-#: XRANGE gives it). With ARGV[2] = '1' it then deletes the wake marker (ARGV[3]), as an idle
+#: XRANGE gives it). With ARGV[2] = '1' it then deletes the wake marker (KEYS[1]), as an idle
 #: worker's BZPOPMIN would.
 DUMP = """
 local out = {}
@@ -225,7 +226,7 @@ for _, key in ipairs(redis.call('KEYS', ARGV[1])) do
   elseif kind == 'stream' then value = redis.call('XRANGE', key, '-', '+') end
   out[#out + 1] = {key, kind, redis.call('PTTL', key), value}
 end
-if ARGV[2] == '1' then redis.call('DEL', ARGV[3]) end
+if ARGV[2] == '1' then redis.call('DEL', KEYS[1]) end
 return out
 """
 
@@ -275,6 +276,8 @@ def _queue_sections(d: Dump, k: QueueKeys) -> dict[str, Any]:
     out: dict[str, Any] = {"jobs": jobs, "expiring": expiring}
     for name in LIVE_SETS:
         out[name] = d.zset(getattr(k, name))
+    for name in FINISHED_SETS:
+        out["finished:" + name] = d.zset(k.finished_prefix + name)
     epoch = d.value(k.epoch, "string") if k.epoch in d.keys else None
     assert epoch is None or len(_s(epoch[0])) == 16, epoch  # made by the first dispatch call
     seq = d.value(k.seq, "string")
@@ -311,7 +314,8 @@ async def redis_state(queue: Queue, take_wake: bool = False) -> dict[str, Any]:
     """Everything the queue holds in Redis, in the shape of :func:`model_state`, read in one
     call (so no key goes unseen). ``take_wake``: then delete the wake marker."""
     k = queue.keys
-    raw = await queue.redis.register_script(DUMP)(keys=[], args=[k.base + "*", int(take_wake), k.wake])
+    # The wake marker as its key: on a cluster the script runs on the queue's master.
+    raw = await queue.redis.register_script(DUMP)(keys=[k.wake], args=[k.base + "*", int(take_wake)])
     d = Dump(raw)
     return {"keys": sorted(d.keys)} | _queue_sections(d, k) | _flow_sections(d, k)
 
@@ -323,6 +327,7 @@ def model_state(model: Model, queue: Queue) -> dict[str, Any]:
     parked = {name: members for name, members in parked.items() if members}
     keys = {k.job(i) for i in model.jobs} | {k.idem(i) for i in model.idem}
     keys |= {getattr(k, name) for name in LIVE_SETS if model.zset(name)}
+    keys |= {k.finished_prefix + name for name in FINISHED_SETS if model.finished(name)}
     keys |= {k.budget_prefix + name for name in model.budgets}
     keys |= {k.budget_log_prefix + name for name in logs} | {k.parked_prefix + name for name in parked}
     keys |= {k.reservation_prefix + rid for rid in model.resv}
@@ -345,6 +350,8 @@ def model_state(model: Model, queue: Queue) -> dict[str, Any]:
     }
     for name in LIVE_SETS:
         out[name] = model.zset(name)
+    for name in FINISHED_SETS:
+        out["finished:" + name] = model.finished(name)
     out["seq"] = model.seq
     out["stats"] = {name: n for name, n in model.stats.items() if n}
     out["wake"] = [("w", 0.0)] if model.wake else []
@@ -398,7 +405,6 @@ class QueueMachine(RuleBasedStateMachine):
         prefix = "m" + secrets.token_hex(5)
         self.queue = Queue("q", redis=self.redis, prefix=prefix, event_result_max_bytes=EV_RESULT_MAX)
         self.model = Model(
-            keep_ms=self.queue.keep_finished_ms,
             ev_result_max=EV_RESULT_MAX,
             idem_prefix=self.queue.keys.idem_prefix,
         )
@@ -624,8 +630,17 @@ class QueueMachine(RuleBasedStateMachine):
             k, q = self.queue.keys, self.queue
             reply = self.run(
                 q.scripts.cancel(
-                    keys=[k.job(job_id), k.waiting, k.delayed, k.events, k.stats, k.parked_prefix],
-                    args=[now, job_id, q.events_maxlen, q.keep_finished_ms],
+                    keys=[
+                        k.job(job_id),
+                        k.waiting,
+                        k.delayed,
+                        k.events,
+                        k.stats,
+                        k.parked_prefix,
+                        k.retention,
+                        k.finished_prefix,
+                    ],
+                    args=[now, job_id, q.events_maxlen],
                 )
             )
             assert [reply[0], _s(reply[1])] == [code, state]
@@ -891,9 +906,7 @@ def q(queue: Queue, clock: Clock) -> Queue:
 
 async def test_model_reference_sequence(q: Queue, clock: Clock) -> None:
     """A fixed sequence touching every operation, checked against the model step by step."""
-    m = Model(
-        keep_ms=q.keep_finished_ms, ev_result_max=q.event_result_max_bytes, idem_prefix=q.keys.idem_prefix
-    )
+    m = Model(ev_result_max=q.event_result_max_bytes, idem_prefix=q.keys.idem_prefix)
 
     async def add(spec: JobSpec) -> str:
         answer = m.add(clock.now, [model_spec(spec)])
@@ -970,9 +983,7 @@ async def test_gates_and_ledger_reference_sequence(q: Queue, clock: Clock) -> No
     that a shorter one does not shorten, closed until its last millisecond; the token-rate
     window blocking the line and taking overuse in full; the request-rate window; a
     reservation settled after its calendar window turned."""
-    m = Model(
-        keep_ms=q.keep_finished_ms, ev_result_max=q.event_result_max_bytes, idem_prefix=q.keys.idem_prefix
-    )
+    m = Model(ev_result_max=q.event_result_max_bytes, idem_prefix=q.keys.idem_prefix)
     b = q.budgets
 
     async def check() -> None:

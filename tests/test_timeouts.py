@@ -371,8 +371,8 @@ class _Procs(WorkerProcs):
         return self.launch(worker_id, TARGET, *options)
 
 
-async def _in_state(queue: Queue, job_id: str, state: JobState) -> bool:
-    return await queue.job_state(job_id) is state
+async def _in_state(queue: Queue, job_id: str, *states: JobState) -> bool:
+    return await queue.job_state(job_id) in states
 
 
 async def _runs_are(redis: Redis, prefix: str, job_ids: list[str], n: int) -> bool:
@@ -386,3 +386,22 @@ async def _finished(queue: Queue, job_id: str) -> bool:
 
 async def _children(proc: WorkerProc, n: int) -> bool:
     return len(proc.children()) == n
+
+
+async def test_running_worker_leaves_the_test_process_alive_past_the_hard_grace(
+    redis: Redis, prefix: str, queue: Queue
+) -> None:
+    # In a worker process, this attempt would be stopped hard: the process exits 75. Inside a
+    # test (running_worker), that would end the test run: the hard stop is off there.
+    w = Worker("q", prefix=prefix, lease=5, hard_grace=0.1)
+
+    @w.handler
+    async def stuck(job: JobContext) -> str:
+        time.sleep(0.8)  # noqa: ASYNC251 - blocks its own cancellation past timeout + hard_grace
+        return "done"
+
+    async with running(w, redis):
+        job = await queue.add("stuck", timeout=0.2, max_attempts=1)
+        # it ends (the loop was blocked when its timeout came, so it may count as done)
+        await eventually(lambda: _in_state(queue, job.id, JobState.COMPLETED, JobState.DEAD), timeout=5)
+    assert w.hard_grace == 0.1  # given back when the block ends

@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 
 from sluice import JobState, Queue
 from tests.proc_harness import REPO
+from tests.test_cli import invoke
 
 DOC = REPO / "docs" / "using.md"
 
@@ -61,6 +62,23 @@ def python_block() -> str:
     match = re.search(r"## The library in your code\n.*?```python\n(.*?)```", DOC.read_text(), re.S)
     assert match
     return match.group(1)
+
+
+async def test_the_retention_examples(redis_url: str, redis: Redis, prefix: str) -> None:
+    where = ["--prefix", prefix, "--redis", redis_url]
+    for line in block("retention-cli").strip().splitlines():
+        command = shlex.split(line)
+        assert command[0] == "sluice", line
+        await invoke(*command[1:], *where)
+    queue = Queue("llm", redis=redis, prefix=prefix)
+    kept = await queue.retention()
+    assert (kept["completed"].age, kept["completed"].count) == (6 * 3600, 200_000)
+    namespace: dict[str, object] = {"Queue": Queue}
+    exec(compile(block("retention-python"), "docs/using.md", "exec"), namespace)  # noqa: S102
+    other = Queue("llm2", redis=redis, prefix=prefix)
+    await namespace["keep_results_for_six_hours"](other)  # type: ignore[operator]
+    kept = await other.retention()
+    assert (kept["completed"].age, kept["completed"].count, kept["dead"].age) == (6 * 3600, 200_000, None)
 
 
 async def test_the_library_snippet(

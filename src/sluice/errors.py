@@ -182,7 +182,7 @@ class JobNotFound(SluiceError, KeyError):
     def __init__(self, job_id: str) -> None:
         super().__init__(
             f"no job {job_id!r} in this queue: it never existed or its record expired "
-            "(finished jobs are kept for the queue's keep_finished seconds, a day by default)"
+            "(finished jobs are kept as the queue's retention says: `sluice retention show`)"
         )
         self.job_id = job_id
 

@@ -32,7 +32,6 @@ DEFAULT_LEASE = 30.0
 #: Seconds running jobs get to finish on SIGTERM before they are released back to waiting.
 DEFAULT_SHUTDOWN_GRACE = 30.0
 #: Seconds finished job records are kept.
-DEFAULT_KEEP_FINISHED = 86_400.0
 #: Seconds an idempotency key keeps naming its job.
 DEFAULT_IDEMPOTENCY_TTL = 86_400.0
 #: Entries kept in a queue's events stream (approximately: MAXLEN ~).

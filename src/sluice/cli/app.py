@@ -20,7 +20,9 @@ from sluice.cli import (
     jobs_cmd,
     lab_cmd,
     logs,
+    memory_cmd,  # noqa: F401  (importing it registers `sluice bench memory`)
     redis_cmd,
+    retention_cmd,
     worker_cmd,
 )
 from sluice.cli.errors import SluiceGroup
@@ -96,6 +98,7 @@ app.add_typer(dlq_cmd.dlq_app, name="dlq")
 app.add_typer(budget_cmd.budget_app, name="budget")
 app.add_typer(flow_cmd.flow_app, name="flow")
 app.add_typer(redis_cmd.redis_app, name="redis")
+app.add_typer(retention_cmd.retention_app, name="retention")
 app.add_typer(bench_cmd.bench_app, name="bench")  # with `lab` and `goodput`, registered by their modules
 _ = lab_cmd, goodput_cmd
 

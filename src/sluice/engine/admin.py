@@ -221,7 +221,8 @@ class QueueAdmin:
         removed = 0
         for chunk in _chunks(ids, ADMIN_CHUNK):
             removed += await self.scripts.purge(
-                keys=[self.keys.dead, *(self.keys.job(i) for i in chunk)], args=chunk
+                keys=[self.keys.dead, self.keys.reservation_prefix, *(self.keys.job(i) for i in chunk)],
+                args=chunk,
             )
         return removed
 

@@ -46,6 +46,8 @@ class QueueKeys:
     delayed: str
     active: str
     dead: str
+    finished_prefix: str
+    retention: str
     seq: str
     idem_prefix: str
     events: str
@@ -75,6 +77,8 @@ class QueueKeys:
             delayed=base + "delayed",
             active=base + "active",
             dead=base + "dead",
+            finished_prefix=base + "finished:",
+            retention=base + "retention",
             seq=base + "seq",
             idem_prefix=base + "idem:",
             events=base + "events",

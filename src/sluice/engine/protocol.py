@@ -121,14 +121,13 @@ class WorkerProtocol:
         k = self.keys
         q = self._queue
         keys = [k.waiting, k.delayed, k.active, k.events, k.stats, k.wake, k.job_prefix, k.dead, *k.flow]
-        keys += (k.calls, k.epoch)
+        keys += (k.calls, k.epoch, k.retention, k.finished_prefix)
         args: list[Any] = [
             _clock(now),
             want,
             lease_ms,
             worker_id,
             q.events_maxlen,
-            q.keep_finished_ms,
             q.event_result_max_bytes,
             len(outcomes),
             request_id,
@@ -162,7 +161,29 @@ class WorkerProtocol:
         k = self.keys
         q = self._queue
         back, dead = await q.scripts.reap(
-            keys=[k.active, k.waiting, k.dead, k.events, k.stats, k.wake, k.job_prefix, *k.flow],
-            args=[_clock(now), limit, q.events_maxlen, q.keep_finished_ms],
+            keys=[
+                k.active,
+                k.waiting,
+                k.dead,
+                k.events,
+                k.stats,
+                k.wake,
+                k.job_prefix,
+                *k.flow,
+                k.retention,
+                k.finished_prefix,
+            ],
+            args=[_clock(now), limit, q.events_maxlen],
         )
         return int(back), int(dead)
+
+    @writes
+    async def trim(self, *, now: int | None = None, limit: int = 200) -> tuple[int, bool]:
+        """Forget up to ``limit`` finished jobs past the queue's retention, oldest first;
+        returns (jobs forgotten, whether more are due)."""
+        k = self.keys
+        forgotten, more = await self._queue.scripts.trim(
+            keys=[k.retention, k.finished_prefix, k.dead, k.job_prefix, k.reservation_prefix],
+            args=[_clock(now), limit],
+        )
+        return int(forgotten), bool(more)

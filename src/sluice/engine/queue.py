@@ -25,6 +25,7 @@ from sluice.engine.flow import FlowControl
 from sluice.engine.job import JobRecord, JobSpec, JobState
 from sluice.engine.keys import QueueKeys, check_job_id
 from sluice.engine.protocol import WorkerProtocol
+from sluice.engine.retention import QueueRetention, refuse_keep_finished
 from sluice.engine.scripts import Scripts
 from sluice.engine.transport import reads, reads_once, reads_stream, writes
 from sluice.errors import (
@@ -40,7 +41,6 @@ from sluice.errors import (
 from sluice.settings import (
     DEFAULT_EVENTS_MAXLEN,
     DEFAULT_IDEMPOTENCY_TTL,
-    DEFAULT_KEEP_FINISHED,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_STALLS,
     DEFAULT_PREFIX,
@@ -93,7 +93,7 @@ class Job:
         return await self.queue.cancel(self.id)
 
 
-class Queue(QueueAdmin, FlowControl):
+class Queue(QueueAdmin, FlowControl, QueueRetention):
     """One named queue on one Redis: the producer API, the operator's calls
     (:class:`~sluice.engine.admin.QueueAdmin`), its flow controls
     (:class:`~sluice.engine.flow.FlowControl`) and its token ledger (``queue.budgets``).
@@ -114,7 +114,7 @@ class Queue(QueueAdmin, FlowControl):
         prefix: str = DEFAULT_PREFIX,
         known_names: Collection[str] | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-        keep_finished: float = DEFAULT_KEEP_FINISHED,
+        keep_finished: None = None,
         idempotency_ttl: float = DEFAULT_IDEMPOTENCY_TTL,
         events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
         event_result_max_bytes: int = 4096,
@@ -128,7 +128,7 @@ class Queue(QueueAdmin, FlowControl):
         if max_payload_bytes <= 0:
             raise InvalidJobError("max_payload_bytes must be > 0")
         self.max_payload_bytes = max_payload_bytes
-        self.keep_finished_ms = int(keep_finished * 1000)
+        refuse_keep_finished(keep_finished)
         self.idempotency_ttl_ms = max(1, int(idempotency_ttl * 1000))
         self.events_maxlen = events_maxlen
         self.event_result_max_bytes = event_result_max_bytes
@@ -406,8 +406,17 @@ class Queue(QueueAdmin, FlowControl):
         self._check_id(job_id)
         k = self.keys
         code, _state = await self.scripts.cancel(
-            keys=[k.job(job_id), k.waiting, k.delayed, k.events, k.stats, k.parked_prefix],
-            args=[script_now(None), job_id, self.events_maxlen, self.keep_finished_ms],
+            keys=[
+                k.job(job_id),
+                k.waiting,
+                k.delayed,
+                k.events,
+                k.stats,
+                k.parked_prefix,
+                k.retention,
+                k.finished_prefix,
+            ],
+            args=[script_now(None), job_id, self.events_maxlen],
         )
         if code == -1:
             raise JobNotFound(job_id)

@@ -73,6 +73,8 @@ except (ImportError, AttributeError):  # pragma: no cover - redis-py packs inste
 MAX_ERROR_BYTES = 8192
 #: Expired leases returned per reap call (each call is one script: bounded work).
 REAP_BATCH = 200
+#: Finished jobs forgotten per trim call (retention.py), for the same reason.
+TRIM_BATCH = 100
 #: Outcomes handed in per dispatch call, for the same reason.
 STEP_OUTCOMES = 16
 
@@ -353,11 +355,7 @@ class Runner:
         failures = 0
         while True:
             self.kick.clear()
-            # A finished job holds its slot until Redis has its outcome: a call hands in at
-            # most STEP_OUTCOMES, so taking a new job per finished one would let outcomes
-            # (and the leases renewed for them) pile up without bound under short jobs.
-            waiting_outcomes = len(self.done) + (len(self._pending.outcomes) if self._pending else 0)
-            free = 0 if self.stopping else max(self.concurrency - len(self.running) - waiting_outcomes, 0)
+            free = self._free_slots()
             if self.done or self._pending is not None or (free > 0 and self.more):
                 try:
                     await self._step(free)
@@ -790,12 +788,26 @@ class Runner:
         return kind, error, 0
 
     # ---- helpers -----------------------------------------------------------------------
+    def _free_slots(self) -> int:
+        """Jobs this worker would take now: none while stopping, and a finished job holds its
+        slot until its outcome is handed in (with at most STEP_OUTCOMES outcomes per call,
+        taking a new job per finished one would let outcomes, and the leases renewed for
+        them, pile up without bound under short jobs)."""
+        if self.stopping:
+            return 0
+        waiting_outcomes = len(self.done) + (len(self._pending.outcomes) if self._pending else 0)
+        return max(self.concurrency - len(self.running) - waiting_outcomes, 0)
+
     async def _wake_loop(self, blocking: Any) -> None:
         failures = 0
         while not self._closing:
             await self.idle.wait()
             try:
-                await blocking.bzpopmin(self.keys.wake, timeout=MAX_BLOCK)
+                marker = await blocking.bzpopmin(self.keys.wake, timeout=MAX_BLOCK)
+                if marker is not None and self._free_slots() == 0:
+                    # Taken while this worker filled up or began to stop (the read was
+                    # sent while it was idle): it is another worker's call, put it back.
+                    await self.queue.redis.zadd(self.keys.wake, {"w": 0})
                 failures = 0
             except _TRANSIENT as exc:
                 failures += 1
@@ -864,6 +876,11 @@ class Runner:
                     more_back, more_dead = await self.queue.protocol.reap(limit=REAP_BATCH)
                     back, dead = back + more_back, dead + more_dead
                     if more_back + more_dead < REAP_BATCH:
+                        break
+                # Finished jobs past the queue's retention, a bounded batch per call too.
+                while not self._closing:
+                    _, more = await self.queue.protocol.trim(limit=TRIM_BATCH)
+                    if not more:
                         break
                 failures = 0
             except _TRANSIENT as exc:

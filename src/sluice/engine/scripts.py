@@ -32,6 +32,8 @@ COMMANDS = (
     "dispatch",
     "extend",
     "reap",
+    "trim",
+    "retention",
     "cancel",
     "redrive",
     "purge",
@@ -100,6 +102,8 @@ class Scripts:
         self.dispatch: AsyncScript = redis.register_script(source("dispatch"))
         self.extend: AsyncScript = redis.register_script(source("extend"))
         self.reap: AsyncScript = redis.register_script(source("reap"))
+        self.trim: AsyncScript = redis.register_script(source("trim"))
+        self.retention: AsyncScript = redis.register_script(source("retention"))
         self.cancel: AsyncScript = redis.register_script(source("cancel"))
         self.redrive: AsyncScript = redis.register_script(source("redrive"))
         self.purge: AsyncScript = redis.register_script(source("purge"))

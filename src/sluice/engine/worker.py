@@ -17,12 +17,12 @@ from sluice.engine.connection import connect
 from sluice.engine.context import JobContext
 from sluice.engine.keys import check_name
 from sluice.engine.queue import Queue
+from sluice.engine.retention import refuse_keep_finished
 from sluice.engine.watchdog import DEFAULT_HARD_GRACE, DEFAULT_LOOP_BLOCK_WARNING
 from sluice.errors import ConfigurationError
 from sluice.settings import (
     DEFAULT_CONCURRENCY,
     DEFAULT_EVENTS_MAXLEN,
-    DEFAULT_KEEP_FINISHED,
     DEFAULT_LEASE,
     DEFAULT_PREFIX,
     DEFAULT_QUEUE,
@@ -88,7 +88,7 @@ class Worker:
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE,
         reap_interval: float | None = None,
         worker_id: str | None = None,
-        keep_finished: float = DEFAULT_KEEP_FINISHED,
+        keep_finished: None = None,
         events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
         hard_grace: float | None = DEFAULT_HARD_GRACE,
         loop_block_warning: float | None = DEFAULT_LOOP_BLOCK_WARNING,
@@ -103,7 +103,7 @@ class Worker:
         self.shutdown_grace = shutdown_grace
         self.reap_interval = 0.0
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(2)}"
-        self.keep_finished = keep_finished
+        refuse_keep_finished(keep_finished)
         self.events_maxlen = events_maxlen
         self.configure(reap_interval=reap_interval)
         self._handlers: dict[str, Handler] = {}
@@ -204,6 +204,12 @@ class Worker:
         """Register a function (``async def`` or ``def``) as the handler of jobs named after it
         (or ``name``); see :meth:`register` for what each kind may do."""
 
+        if isinstance(fn, str):
+            raise ConfigurationError(
+                f"@worker.handler({fn!r}) names the job type positionally; "
+                f"write @worker.handler(name={fn!r}), or @worker.handler to use the function's name"
+            )
+
         def deco(f: H) -> H:
             self.register(name or f.__name__, f)
             return f
@@ -228,7 +234,6 @@ class Worker:
             redis=redis,
             prefix=self.prefix,
             known_names=self.names,
-            keep_finished=self.keep_finished,
             events_maxlen=self.events_maxlen,
             **options,
         )
@@ -249,7 +254,6 @@ class Worker:
             self.queue_name,
             redis=client,
             prefix=self.prefix,
-            keep_finished=self.keep_finished,
             events_maxlen=self.events_maxlen,
         )
         runner = Runner(self, queue)

@@ -27,12 +27,21 @@ async def running_worker(
         async with running_worker(worker, url):
             job = await queue.add("summarize", {"text": "..."})
             assert await job.result(timeout=10) == {...}
+
+    The watchdog's hard stop is off inside the block: it ends the whole
+    process (exit code 75, for a supervisor to restart), which here would be
+    the test run. A handler that overruns its timeout is still cancelled and
+    flagged (``job.stop_requested``), and a blocked event loop still logged.
     """
+    hard_grace, worker.hard_grace = worker.hard_grace, None
     task = asyncio.create_task(worker.run(redis, handle_signals=False))
     await asyncio.sleep(0)
     try:
         yield task
     finally:
         worker.stop()
-        async with asyncio.timeout(stop_timeout):
-            await task
+        try:
+            async with asyncio.timeout(stop_timeout):
+                await task
+        finally:
+            worker.hard_grace = hard_grace

@@ -2,8 +2,8 @@
 --
 -- KEYS[1] job key   KEYS[2] waiting   KEYS[3] delayed   KEYS[4] events   KEYS[5] stats
 -- KEYS[6] prefix of the parked-jobs sets of budgets (parked:<budget>)
+-- KEYS[7] retention   KEYS[8] prefix of the finished:<kind> sets (see includes/retention.lua)
 -- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] job id  ARGV[3] events stream max length
--- ARGV[4] keep finished records (ms, 0 = forever)
 --
 -- Returns {code, state}: 1 cancelled (it was waiting, delayed or parked); 2 a cancel was
 -- requested from the running worker, which stops the handler at its next lease
@@ -11,6 +11,7 @@
 
 -- @include clock
 -- @include emit
+-- @include retention
 
 local now = clock_ms(ARGV[1])
 local state = redis.call('HGET', KEYS[1], 'state')
@@ -24,7 +25,7 @@ if state == 'waiting' or state == 'delayed' or state == 'parked' then
     redis.call('HDEL', KEYS[1], 'parked')
   end
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'finished', now)
-  if tonumber(ARGV[4]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
+  retain({retention = KEYS[7], finp = KEYS[8]}, 'cancelled', KEYS[1], ARGV[2], now)
   redis.call('HINCRBY', KEYS[5], 'cancelled', 1)
   emit(KEYS[4], ARGV[3], 'cancelled', ARGV[2])
   return {1, state}

@@ -8,16 +8,17 @@
 -- KEYS[9 .. 15]     flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
 -- KEYS[16] calls    (hash: worker id -> its last call's request id, codes and leases)
 -- KEYS[17] epoch    (string: the queue's epoch, made here if missing)
--- KEYS[17 + i]      job key of the i-th finished job
+-- KEYS[18] retention   KEYS[19] prefix of the finished:<kind> sets (see includes/retention.lua)
+-- KEYS[19 + i]      job key of the i-th finished job
 -- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] max jobs to take  ARGV[3] lease (ms)  ARGV[4] worker id
--- ARGV[5] events stream max length  ARGV[6] keep finished records (ms, 0 = forever)
--- ARGV[7] largest result copied into the 'completed' event (bytes)
--- ARGV[8] number of finished jobs n
--- ARGV[9] request id ('' = none): a call sent again with the id of the worker's
+-- ARGV[5] events stream max length
+-- ARGV[6] largest result copied into the 'completed' event (bytes)
+-- ARGV[7] number of finished jobs n
+-- ARGV[8] request id ('' = none): a call sent again with the id of the worker's
 --   last call (its reply was lost) is answered from what that call did, not
 --   run again: the same codes, and the jobs it leased that are still leased
 --   to it, re-read (see replay below)
--- ARGV[10 + 6 * (i - 1) ...] per finished job: id, token, kind, value, retry in (ms from
+-- ARGV[9 + 6 * (i - 1) ...] per finished job: id, token, kind, value, retry in (ms from
 --   now, for kind 'f'), tokens used (-1 = not reported)
 --
 -- Returns {n, code_1..code_n, next_due, now, epoch, <9 values per taken job>...}
@@ -62,12 +63,12 @@ local function replay(K, rec, now, epoch)
 end
 
 local K = {waiting = KEYS[1], delayed = KEYS[2], active = KEYS[3], events = KEYS[4],
-           stats = KEYS[5], jobp = KEYS[7], dead = KEYS[8], maxlen = ARGV[5],
-           keep_ms = tonumber(ARGV[6]), ev_result_max = tonumber(ARGV[7])}
+           stats = KEYS[5], jobp = KEYS[7], dead = KEYS[8], retention = KEYS[18], finp = KEYS[19],
+           maxlen = ARGV[5], ev_result_max = tonumber(ARGV[6])}
 with_flow_keys(K, 9)
 local now = clock_ms(ARGV[1])
 local max_jobs = tonumber(ARGV[2])
-local n = tonumber(ARGV[8])
+local n = tonumber(ARGV[7])
 local epoch = redis.call('GET', KEYS[17])
 if not epoch then
   -- First call, or Redis lost its data: a new epoch, unique by Redis's clock to
@@ -76,7 +77,7 @@ if not epoch then
   epoch = string.sub(redis.sha1hex(t[1] .. '.' .. t[2] .. ' ' .. KEYS[17] .. ' ' .. ARGV[4]), 1, 16)
   redis.call('SET', KEYS[17], epoch)
 end
-local req = ARGV[9]
+local req = ARGV[8]
 if req ~= '' then
   local prev = redis.call('HGET', KEYS[16], ARGV[4])
   if prev then
@@ -87,8 +88,8 @@ end
 local C = new_counts()
 local out = {n}
 for i = 1, n do
-  local a = 10 + 6 * (i - 1)
-  out[i + 1] = finish_one(K, KEYS[17 + i], ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
+  local a = 9 + 6 * (i - 1)
+  out[i + 1] = finish_one(K, KEYS[19 + i], ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3],
                           now + (tonumber(ARGV[a + 4]) or 0), tonumber(ARGV[a + 5]), now, C)
 end
 local G = load_gates(K, now)

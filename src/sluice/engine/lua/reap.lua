@@ -4,8 +4,9 @@
 -- KEYS[1] active   KEYS[2] waiting   KEYS[3] dead   KEYS[4] events
 -- KEYS[5] stats    KEYS[6] wake      KEYS[7] job key prefix
 -- KEYS[8 .. 14]    flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
+-- KEYS[15] retention   KEYS[16] prefix of the finished:<kind> sets (see includes/retention.lua)
 -- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] most jobs to reap in this call
--- ARGV[3] events stream max length  ARGV[4] keep finished records (ms, 0 = forever)
+-- ARGV[3] events stream max length
 --
 -- A job whose cancellation was requested is cancelled instead of returned.
 -- The attempt's token reservation stays charged, as an "unknown outcome": the
@@ -17,12 +18,12 @@
 -- @include emit
 -- @include wake
 -- @include ledger
+-- @include retention
 
-local K = with_flow_keys({}, 8)
+local K = with_flow_keys({dead = KEYS[3], retention = KEYS[15], finp = KEYS[16]}, 8)
 
 local now = clock_ms(ARGV[1])
 local maxlen = ARGV[3]
-local keep_ms = tonumber(ARGV[4])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
 local back, dead, cancelled, unknown = 0, 0, 0, 0
 for i = 1, #expired do
@@ -31,7 +32,7 @@ for i = 1, #expired do
   redis.call('ZREM', KEYS[1], id)
   local f = redis.call('HMGET', jk, 'score', 'max_stalls', 'worker', 'stalls', 'cancel', 'rid')
   if f[6] then
-    local _, changed = settle(K, f[6], 'unknown', -1, now, keep_ms)
+    local _, changed = settle(K, f[6], 'unknown', -1, now, reservation_keep_ms(K))
     if changed then unknown = unknown + 1 end
   end
   if f[1] then
@@ -41,7 +42,7 @@ for i = 1, #expired do
     if f[5] then
       -- Its cancellation was requested: end it here rather than run it again.
       redis.call('HSET', jk, 'state', 'cancelled', 'finished', now)
-      if keep_ms > 0 then redis.call('PEXPIRE', jk, keep_ms) end
+      retain(K, 'cancelled', jk, id, now)
       redis.call('HINCRBY', KEYS[5], 'cancelled', 1)
       emit(KEYS[4], maxlen, 'cancelled', id)
       cancelled = cancelled + 1
@@ -49,7 +50,7 @@ for i = 1, #expired do
       local err = 'lease expired ' .. stalls .. ' times (worker lost or hung); last worker '
         .. (f[3] or '?')
       redis.call('HSET', jk, 'state', 'dead', 'finished', now, 'error', err)
-      redis.call('ZADD', KEYS[3], now, id)
+      retain(K, 'dead', jk, id, now)
       emit(KEYS[4], maxlen, 'dead', id, 'error', err)
       dead = dead + 1
     else

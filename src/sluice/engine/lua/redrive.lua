@@ -21,6 +21,7 @@ for i = 1, #KEYS - 4 do
     redis.call('ZREM', KEYS[1], id)
     redis.call('HSET', jk, 'state', 'waiting', 'attempt', 0, 'failures', 0, 'stalls', 0)
     redis.call('HDEL', jk, 'finished', 'cancel')
+    redis.call('PERSIST', jk)  -- a dead record expires (retention); a live one must not
     redis.call('ZADD', KEYS[2], cur[2], id)
     emit(KEYS[3], ARGV[1], 'redriven', id)
     out[i] = 1

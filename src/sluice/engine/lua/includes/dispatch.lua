@@ -26,9 +26,11 @@
 -- (the job key prefix; job keys are jobp .. id, ids produced by Redis itself),
 -- control, starts, and the ledger's prefixes (see ledger.lua): budp, logp,
 -- resvp, parkp (parked jobs of one budget: parkp .. name) and parkedby (budget
--- name -> when its parked jobs may be tried again). K.maxlen, K.keep_ms too.
+-- name -> when its parked jobs may be tried again). K.maxlen too, and what
+-- retention.lua needs (retention, finp, dead).
 
 -- @include ledger
+-- @include retention
 
 -- The most work one call may do (docs/architecture.md, "Bounded work"): Redis
 -- serves nobody while a script runs, so no loop here grows with a queue.
@@ -171,7 +173,7 @@ end
 
 local function reject_job(K, jk, id, reason, now, C)
   redis.call('HSET', jk, 'state', 'rejected', 'finished', now, 'error', reason)
-  if K.keep_ms > 0 then redis.call('PEXPIRE', jk, K.keep_ms) end
+  retain(K, 'rejected', jk, id, now)
   C.rejected = C.rejected + 1
   emit(K.events, K.maxlen, 'rejected', id, 'reason', reason)
 end

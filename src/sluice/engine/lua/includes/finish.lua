@@ -23,9 +23,10 @@
 -- 5 cancelled, 6 throttled, 0 refused (token stale or job no longer active),
 -- -1 no such job.
 -- C accumulates counters, written once per script call by flush_counts.
--- K also needs: dead, keep_ms, maxlen, ev_result_max.
+-- K also needs: dead, retention, finp (see retention.lua), maxlen, ev_result_max.
 
 -- @include ledger
+-- @include retention
 
 local function settle_attempt(K, jk, rid, kind, usage, now, C)
   if usage >= 0 then redis.call('HSET', jk, 'usage', usage) end
@@ -36,7 +37,7 @@ local function settle_attempt(K, jk, rid, kind, usage, now, C)
   elseif kind ~= 'c' and usage < 0 then
     how = 'unknown'
   end
-  local _, changed = settle(K, rid, how, usage, now, K.keep_ms)
+  local _, changed = settle(K, rid, how, usage, now, reservation_keep_ms(K))
   if changed and how == 'unknown' then C.unknown_outcome = C.unknown_outcome + 1 end
 end
 
@@ -68,7 +69,7 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C
   end
   if kind == 'c' then
     redis.call('HSET', jk, 'state', 'completed', 'finished', now, 'result', value)
-    if K.keep_ms > 0 then redis.call('PEXPIRE', jk, K.keep_ms) end
+    retain(K, 'completed', jk, id, now)
     C.completed = C.completed + 1
     if #value <= K.ev_result_max then
       emit(K.events, K.maxlen, 'completed', id, 'result', value)
@@ -78,7 +79,7 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C
     return 1
   elseif kind == 'x' then
     redis.call('HSET', jk, 'state', 'cancelled', 'finished', now)
-    if K.keep_ms > 0 then redis.call('PEXPIRE', jk, K.keep_ms) end
+    retain(K, 'cancelled', jk, id, now)
     C.cancelled = C.cancelled + 1
     emit(K.events, K.maxlen, 'cancelled', id)
     return 5
@@ -105,7 +106,7 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C
   emit(K.events, K.maxlen, 'failed', id, 'error', value)
   if kind ~= 'f' or not score or attempt >= (tonumber(cur[4]) or 0) then
     redis.call('HSET', jk, 'state', 'dead', 'finished', now, 'error', value)
-    redis.call('ZADD', K.dead, now, id)
+    retain(K, 'dead', jk, id, now)
     C.dead = C.dead + 1
     emit(K.events, K.maxlen, 'dead', id, 'error', value)
     return 3
