@@ -296,7 +296,7 @@ class ModelBudget:
     created: int | None = None
     period: int | None = None
     used: int = 0
-    counters: dict[str, int] = field(default_factory=dict)  # accepted, rejected, unknown
+    counters: dict[str, int] = field(default_factory=dict)  # accepted, rejected, unknown, beyond
     #: rolling: reservation id -> (time reserved, the amount it charges to the window)
     log: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -321,6 +321,11 @@ class ModelBudget:
         return h
 
 
+def _refuses(b: ModelBudget, tokens: int) -> bool:
+    """A level refuses what does not fit, and anything at all once full (or past its limit)."""
+    return b.used + tokens > b.limit or b.used >= b.limit
+
+
 @dataclass
 class ModelReservation:
     rid: str
@@ -331,7 +336,7 @@ class ModelReservation:
     at: int
     job: str
     state: str = "held"
-    over: int | None = None
+    beyond: int | None = None  # tokens used beyond the estimate (charged)
     settled: int | None = None
     caller: bool = False  # made by budgets.reserve: its hold expires (the dispatch script's does not)
 
@@ -345,8 +350,8 @@ class ModelReservation:
             "at": str(self.at),
             "job": self.job,
         }
-        if self.over is not None:
-            h["over"] = str(self.over)
+        if self.beyond is not None:
+            h["beyond"] = str(self.beyond)
         if self.settled is not None:
             h["settled"] = str(self.settled)
         return h
@@ -594,7 +599,7 @@ class Model:
             if missing is not None:
                 self._reject(now, job, f"no budget named {missing}; create it before adding jobs that use it")
                 return None
-            refusing = next((b for b in levels if b.used + tokens > b.limit), None)
+            refusing = next((b for b in levels if _refuses(b, tokens)), None)
             if refusing is not None:
                 self._refuse(now, job, refusing)
                 return None
@@ -688,7 +693,7 @@ class Model:
             assert blocked is not None, "the model never reaches the 100-job bound"
             # The first that did not fit needs its tokens on top of those moved back.
             need = taken + blocked
-            refusing = next(b for b in levels if b.used + need > b.limit)
+            refusing = next(b for b in levels if _refuses(b, need))
             self.parkedby[name] = self._cached_retry_at(refusing, need, now)
         if moved:
             self._emit("unparked", "", "budget", name)
@@ -740,13 +745,14 @@ class Model:
             job.usage = usage
         if job.rid is None:
             return
-        if kind == b"t":  # the provider refused the call
+        # What was reported is charged whatever the outcome (the provider billed it).
+        if usage < 0 and kind == b"t":  # the provider refused the call
             how = "refund"
         elif kind == b"c" or usage >= 0:
             how = "commit"
         else:  # the provider may have been called
             how = "unknown"
-        _, changed, _ = self.settle(now, job.rid, how, usage)
+        _, changed, _ = self.settle(now, job.rid, how, usage, job_id=job.id)
         if changed and how == "unknown":
             self.stats["unknown_outcome"] += 1
 
@@ -1001,11 +1007,14 @@ class Model:
         periods = [b.period or 0 for b in levels]
         self.resv[rid] = ModelReservation(rid, amount, amount, [b.name for b in levels], periods, now, job_id)
 
-    def settle(self, now: int, rid: str, how: str, actual: int) -> tuple[str, bool, bool]:
+    def settle(self, now: int, rid: str, how: str, actual: int, job_id: str = "") -> tuple[str, bool, bool]:
         """Commit (``actual`` tokens; a negative one keeps the amount), refund or keep as
-        unknown a held reservation. Tokens given back to a budget with parked jobs make
-        those due for another try now. Returns its state, whether this call settled it, and
-        whether it gave tokens back to a budget with parked jobs."""
+        unknown a held reservation. What was used is charged in full to every level, past
+        its limit if need be; each level that goes past its limit gets an 'overspent'
+        event (``job_id``: the job whose attempt it was). Tokens given back to a budget
+        with parked jobs make those due for another try now. Returns its state, whether
+        this call settled it, and whether it gave tokens back to a budget with parked
+        jobs."""
         r = self.resv.get(rid)
         if r is None:
             return "missing", False, False
@@ -1014,24 +1023,34 @@ class Model:
         target = 0 if how == "refund" else actual if how == "commit" and actual >= 0 else r.amt
         present = [(i, b) for i, name in enumerate(r.names) if (b := self._consult(name, now)) is not None]
         levels = [b for i, b in present if self._counted(b, r, i)]
-        full = delta = target - r.amt
-        if delta > 0:
-            # Charged to the budgets only as far as every one still counting it has room; the
-            # token-rate window takes it in full (it measures what reached the provider).
-            room = max(min([delta, *(b.limit - b.used for b in levels if b.name != TOKEN_RATE)]), 0)
-            if room < delta:
-                r.over = (r.over or 0) + delta - room
-                delta = room
+        d = target - r.amt
         freed = False
         for b in levels:
-            d = full if b.name == TOKEN_RATE else delta
-            b.used += d
+            was = b.used
+            b.used = max(b.used + d, 0)
             if b.win == "roll":
                 b.log[rid] = (b.log[rid][0], r.amt + d)
+            if d > 0 and b.name != TOKEN_RATE:
+                b.counters["beyond"] = b.counters.get("beyond", 0) + d
+                if was <= b.limit < b.used:
+                    self._emit(
+                        "overspent",
+                        job_id,
+                        "budget",
+                        b.name,
+                        "used",
+                        b.used,
+                        "limit",
+                        b.limit,
+                        "reservation",
+                        rid.removeprefix("u:"),  # a caller's, by the id it chose
+                    )
             if d < 0 and b.name in self.parkedby:
                 self.parkedby[b.name] = now
                 freed = True
-        r.amt += delta
+        if d > 0:
+            r.beyond = d
+        r.amt = target
         if how == "unknown":
             # Counted on every budget the reservation named, even one whose window
             # moved on: the budget counters are cumulative.
@@ -1048,8 +1067,8 @@ class Model:
         if freed:
             self.wake = True
         r = self.resv.get(rid)
-        charged, over = (0, 0) if r is None else (r.amt, r.over or 0)
-        return state, changed, charged, over
+        charged, beyond = (0, 0) if r is None else (r.amt, r.beyond or 0)
+        return state, changed, charged, beyond
 
     def budget_create(
         self, now: int, name: str, limit: int, win: str, win_ms: int, parent: str | None
@@ -1106,6 +1125,8 @@ class Model:
             "unknown_outcomes": b.counters.get("unknown", 0),
             "parked": len(self.parked_set(name)),
             "resets_at_ms": resets,
+            "overspent": max(b.used - b.limit, 0),
+            "beyond_estimates": b.counters.get("beyond", 0),
         }
 
     def reserve(self, now: int, name: str, tokens: int, rid: str, job_id: str) -> tuple[int, int, str]:
@@ -1118,7 +1139,7 @@ class Model:
         prior = self.resv.get(rid)
         if prior is not None:
             return (3 if prior.state == "refunded" else 2), max(own.limit - own.used, 0), ""
-        refusing = next((b for b in chain if b.used + tokens > b.limit), None)
+        refusing = next((b for b in chain if _refuses(b, tokens)), None)
         if refusing is not None:
             refusing.count("rejected")
             return 0, max(own.limit - own.used, 0), refusing.name

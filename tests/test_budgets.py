@@ -287,7 +287,7 @@ async def test_a_job_naming_a_missing_budget_is_refused_at_add_and_nothing_is_wr
     assert (counts["added"], counts["waiting"]) == (0, 0)
     assert await queue.redis.get(queue.keys.seq) is None
     # And a call of several script chunks is all-or-nothing too (the ghost is in the last chunk)
-    many = [JobSpec("llm") for _ in range(BULK_CHUNK)] + [JobSpec("llm", budget="ghost")]
+    many = [JobSpec("llm") for _ in range(BULK_CHUNK)] + [JobSpec("llm", tokens=1, budget="ghost")]
     with pytest.raises(BudgetNotFound):
         await queue.add_bulk(many)
     assert (await queue.counts())["added"] == 0
@@ -695,7 +695,7 @@ async def test_commit_and_refund_are_idempotent(queue: Queue) -> None:
     await b.reserve("b", 200, "r2")
 
     s = await b.commit("r1", 300)
-    assert (s.state, s.changed, s.charged, s.over) == ("committed", True, 300, 0)
+    assert (s.state, s.changed, s.charged, s.beyond) == ("committed", True, 300, 0)
     again = await b.commit("r1", 10)
     assert (again.state, again.changed, again.charged) == ("committed", False, 300)
     late_refund = await b.refund("r1")
@@ -719,14 +719,14 @@ async def test_committing_less_gives_the_difference_back_on_every_level(queue: Q
     await b.create("tenant", 1000, parent="team")
     await b.reserve("tenant", 400, "r")
     s = await b.commit("r", 150)
-    assert (s.charged, s.over) == (150, 0)
+    assert (s.charged, s.beyond) == (150, 0)
     assert [x.used if x else None for x in await b.get_many(["team", "tenant"])] == [150, 150]
     stored = await b.reservation("r")
     assert stored is not None
     assert (stored["est"], stored["amt"], stored["state"]) == ("400", "150", "committed")
 
 
-async def test_committing_more_than_reserved_is_charged_up_to_the_limit_only(queue: Queue) -> None:
+async def test_committing_more_than_reserved_is_charged_in_full_past_the_limit(queue: Queue) -> None:
     # Given a tenant of 1000 under a team of 800, 500 reserved under "r1" and 200 under "r2"
     b = queue.budgets
     await b.create("team", 800)
@@ -737,17 +737,27 @@ async def test_committing_more_than_reserved_is_charged_up_to_the_limit_only(que
     # When r1 reports 750 tokens used (250 more than reserved; the team has 100 left)
     s = await b.commit("r1", 750)
 
-    # Then 100 more are charged, 150 are reported as over, and nothing goes negative
-    assert (s.state, s.changed, s.charged, s.over) == ("committed", True, 600, 150)
+    # Then all 750 are charged on both levels (the provider billed them): the team is 150
+    # past its limit, and says so
+    assert (s.state, s.changed, s.charged, s.beyond) == ("committed", True, 750, 250)
     team, tenant = await b.get_many(["team", "tenant"])
     assert team is not None and tenant is not None
-    assert (team.used, team.remaining) == (800, 0)
-    assert (tenant.used, tenant.remaining) == (800, 200)
+    assert (team.used, team.remaining, team.overspent, team.beyond_estimates) == (950, 0, 150, 250)
+    assert (tenant.used, tenant.remaining, tenant.overspent, tenant.beyond_estimates) == (950, 50, 0, 250)
+    raw: Any = await queue.redis.xrange(queue.keys.events)
+    events = [fields for _, fields in raw if fields[b"ev"] == b"overspent"]
+    assert [(e[b"budget"], e[b"used"], e[b"limit"], e[b"reservation"]) for e in events] == [
+        (b"team", b"950", b"800", b"r1")
+    ]
 
-    # and a full budget's commit of more charges nothing more
+    # and an overspent budget admits nothing, not even what its child still has room for
+    refused = await b.reserve("tenant", 1, "r3")
+    assert (refused.accepted, refused.refused_by) == (False, "team")
+    # while a commit of more is still charged in full, and goes past the tenant's limit too
     s = await b.commit("r2", 300)
-    assert (s.charged, s.over) == (200, 100)
-    assert (await b.get("team")).remaining == 0
+    assert (s.charged, s.beyond) == (300, 100)
+    tenant_state = await b.get("tenant")
+    assert (tenant_state.used, tenant_state.overspent) == (1050, 50)
 
 
 async def test_a_known_reservation_id_is_a_duplicate_and_charges_nothing(queue: Queue) -> None:
@@ -829,7 +839,7 @@ async def test_an_expired_lease_keeps_its_charge_as_an_unknown_outcome(queue: Qu
         (b"r", -1, "unknown", 100, 1),  # released at shutdown
         (b"x", -1, "unknown", 100, 1),  # cancelled while running
         (b"t", -1, "refunded", 0, 0),  # throttled: the provider refused the call
-        (b"t", 70, "refunded", 0, 0),
+        (b"t", 70, "committed", 70, 0),  # throttled after usage was reported: billed, so charged
     ],
 )
 async def test_each_outcome_settles_the_reservation(

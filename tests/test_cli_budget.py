@@ -121,3 +121,15 @@ async def test_retention_commands_show_and_change_the_queues_setting(
         bad = await invoke("retention", "set", *args, *where, code=2)
         assert says in bad.output, bad.output
     assert await q.retention() == kept
+
+
+async def test_an_overspent_budget_says_by_how_much(redis: Redis, redis_url: str, prefix: str) -> None:
+    q = Queue("spent", redis=redis, prefix=prefix)
+    await q.budgets.create("b", 100)
+    await q.budgets.reserve("b", 100, "r")
+    await q.budgets.commit("r", 150)  # the provider billed 150
+    where = ["--queue", "spent", "--prefix", prefix, "--redis", redis_url]
+    row = next(line for line in (await invoke("budget", "list", *where)).stdout.splitlines() if " b " in line)
+    assert row.split()[1:5] == ["100", "150", "over", "50"], row
+    data = json.loads((await invoke("budget", "list", "--json", *where)).stdout)
+    assert (data[0]["overspent"], data[0]["beyond_estimates"], data[0]["remaining"]) == (50, 50, 0)

@@ -187,7 +187,7 @@ async def test_a_large_file_is_checked_whole_before_slices_are_added(
     await q.budgets.create("team", 10**6)
     where = ["-q", "large", "--prefix", prefix, "--redis", redis_url]
     lines = ['{"name": "a", "budget": "team", "tokens": 1}'] * (PROGRESS_FROM + 5)
-    late = _write(tmp_path / "late.jsonl", [*lines, '{"name": "a", "budget": "late"}'])
+    late = _write(tmp_path / "late.jsonl", [*lines, '{"name": "a", "budget": "late", "tokens": 1}'])
     out = await invoke("enqueue", "--file", late, *where, code=1)
     assert f"line {PROGRESS_FROM + 6} names budget 'late'" in out.stderr
     assert (await q.counts())["added"] == 0

@@ -116,6 +116,7 @@ LIMITS = (0, 6, 10, 15)
 #: Token estimates of jobs: a job or two fill a budget of LIMITS or a token-rate window, and
 #: equal charges make a rolling window free exactly the shortfall now and then.
 TOKENS = (0, 3, 5, 9)
+BUDGET_TOKENS = (1, 3, 5, 9)
 #: Reservation ids of direct reservations (the dispatch script's are <job id>:<token>).
 RIDS = ("r1", "r2", "r3")
 
@@ -170,20 +171,26 @@ def window_args(window: str | float | None) -> tuple[str, int]:
     return "roll", int(window * 1000)
 
 
-specs = st.builds(
-    JobSpec,
-    name=st.sampled_from(["a", "b"]),
-    payload=st.none() | st.integers(0, 9),
-    priority=st.integers(0, 2),
-    delay=st.sampled_from([0.0, 0.0, 0.0, 0.1, 0.25]),
-    max_attempts=st.sampled_from([2, 3, 1]),
-    timeout=st.sampled_from([None, 2.0]),
-    idempotency_key=st.none() | st.sampled_from(IDEM_KEYS),
-    max_stalls=st.integers(0, 2),
-    tokens=st.sampled_from(TOKENS),
-    budget=st.sampled_from([None, None, "A", "A", "B", "C", NO_BUDGET]),
-    on_exhausted=st.sampled_from(["reject", "wait", "wait"]),
-)
+@st.composite
+def _specs(draw: st.DrawFn) -> JobSpec:
+    budget = draw(st.sampled_from([None, None, "A", "A", "B", "C", NO_BUDGET]))
+    return JobSpec(
+        name=draw(st.sampled_from(["a", "b"])),
+        payload=draw(st.none() | st.integers(0, 9)),
+        priority=draw(st.integers(0, 2)),
+        delay=draw(st.sampled_from([0.0, 0.0, 0.0, 0.1, 0.25])),
+        max_attempts=draw(st.sampled_from([2, 3, 1])),
+        timeout=draw(st.sampled_from([None, 2.0])),
+        idempotency_key=draw(st.none() | st.sampled_from(IDEM_KEYS)),
+        max_stalls=draw(st.integers(0, 2)),
+        # a job that spends from a budget carries an estimate (JobSpec refuses 0)
+        tokens=draw(st.sampled_from(TOKENS if budget is None else BUDGET_TOKENS)),
+        budget=budget,
+        on_exhausted=draw(st.sampled_from(["reject", "wait", "wait"])),
+    )
+
+
+specs = _specs()
 
 #: A drawn outcome: (job id, token), (kind, value), retry in (ms from now), tokens used.
 Drawn = tuple[tuple[str, bytes], tuple[bytes, bytes], int, int]
@@ -1090,11 +1097,12 @@ async def test_gates_and_ledger_reference_sequence(q: Queue, clock: Clock) -> No
     j5 = await add(JobSpec("a", tokens=5))
     assert await step(3, []) == t0 + 1460
     assert [m.jobs[i].state for i in (j2, j3, j4, big, j5)] == [ACTIVE, ACTIVE, PARKED, REJECTED, WAITING]
-    # j2 used 6, above its reservation of 3: A (full) takes none of it, the rest is 'over';
-    # the token-rate window takes all of it.
+    # j2 used 6, above its reservation of 3: A and the token-rate window are charged all
+    # of it, A past its limit (an 'overspent' event says so), 3 of it beyond the estimate.
     clock.now = t0 + 470
     await step(1, [(j2, b"2", b"c", b"1", 0, 6)])
-    assert m.resv[f"{j2}:2"].over == 3 and m.budgets[TOKEN_RATE].used == 9
+    assert m.resv[f"{j2}:2"].beyond == 3 and m.budgets[TOKEN_RATE].used == 9
+    assert m.budgets["A"].counters["beyond"] == 3
     # The request-rate window: one start per 120 ms.
     m.set_rate_limit(1, 120)
     await q.set_rate_limit(1, 0.12)

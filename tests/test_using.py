@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import configparser
+import contextlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import time
 import tomllib
 from pathlib import Path
 
+import psutil
 import pytest
 from redis.asyncio import Redis
 
@@ -117,33 +119,41 @@ async def run_like_a_service_manager(
     redis: Redis,
 ) -> None:
     """Start the workers, give them a job that takes 1.5 s, stop them while it runs."""
+    # Their logs go to a file, not a pipe: a pipe nobody reads until the end fills up on a
+    # busy machine (every process logs there), and a worker blocked writing never exits.
+    log = (cwd / "workers.log").open("wb")
     proc = subprocess.Popen(  # noqa: ASYNC220 - a service manager's child, waited for below
-        sluice_command(argv), cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        sluice_command(argv), cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=log
     )
+    children: list[psutil.Process] = []
     try:
         queue = Queue("default", redis=redis)
         job = await queue.add("summarize", {"text": "hello there, workers", "seconds": 1.5})
         deadline = time.monotonic() + 30
         while await queue.job_state(job.id) is not JobState.ACTIVE:
-            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert proc.poll() is None, (cwd / "workers.log").read_text()
             assert time.monotonic() < deadline, "the job never started"
             await asyncio.sleep(0.05)
+        children = psutil.Process(proc.pid).children(recursive=True)
         # When the service manager stops the unit: its stop signal, to the main process only
         t0 = time.monotonic()
         proc.send_signal(stop_signal)
         code = await asyncio.to_thread(proc.wait, stop_timeout)
         # Then every process ends cleanly within the stop timeout, and the running job completed
-        stderr = proc.stderr.read().decode() if proc.stderr else ""
+        stderr = (cwd / "workers.log").read_text()
         assert code == 0, stderr
         assert time.monotonic() - t0 < stop_timeout
         assert await job.result(timeout=1) == {"summary": "hello ther"}
         assert (await queue.counts())["released"] == 0, "a second signal reached the workers"
     finally:
+        # A failed stop must not leave workers behind (they run in sessions of their own,
+        # as a service manager's cgroup would hold them) to take later tests' jobs.
+        for process in [psutil.Process(proc.pid), *children] if proc.poll() is None else children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
         if proc.poll() is None:
-            proc.kill()
             proc.wait(5)
-        if proc.stderr is not None:
-            proc.stderr.close()
+        log.close()
 
 
 def _seconds(value: str) -> float:

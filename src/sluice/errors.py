@@ -290,8 +290,10 @@ class Throttled(Exception):
     """Raise from a handler when the provider answered 429 (rate limited).
 
     The queue dispatches nothing for ``retry_after`` seconds (every worker, on
-    every machine), the job goes back to waiting at its priority with its
-    attempt and failure counts unchanged, and its token reservation is refunded.
+    every machine), and the job goes back to waiting at its priority with its
+    attempt and failure counts unchanged. Its token reservation is refunded,
+    unless the handler reported usage first (``job.record_usage``): a call the
+    provider served and billed before asking to slow down is charged.
     """
 
     def __init__(self, retry_after: float = 1.0, message: str = "") -> None:

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 from rich.console import RenderableType
+from rich.text import Text
 
 from sluice.cli.errors import CliFailure
 from sluice.cli.options import (
@@ -110,12 +111,16 @@ def budget_table(budgets: list[BudgetState], title: str, *, wide: bool = False) 
     table.add_column("resets in" if not wide else "turns / frees (UTC)", no_wrap=True)
     if wide:
         table.add_column("parent", no_wrap=True)
-        for col in ("accepted", "rejected", "unknown", "parked"):
+        for col in ("accepted", "rejected", "unknown", "parked", "beyond"):
             table.add_column(col, justify="right", no_wrap=True)
     for depth, b in _tree(budgets):
         row = [
             ("  " * (depth - 1) + "└─" if depth else "") + b.name,
-            *(_tokens(n, wide) for n in (b.limit, b.used, b.remaining)),
+            *(_tokens(n, wide) for n in (b.limit, b.used)),
+            # An overspent budget (usage beyond estimates, charged in full) admits nothing.
+            Text(f"over {_tokens(b.overspent, wide)}", style="bold red")
+            if b.overspent
+            else _tokens(b.remaining, wide),
             _window(b),
             utc(b.resets_at_ms, seconds_only=True).removesuffix(" UTC")
             if wide
@@ -123,7 +128,9 @@ def budget_table(budgets: list[BudgetState], title: str, *, wide: bool = False) 
         ]
         if wide:
             row.append(b.parent or "-")
-            row += [f"{n:,}" for n in (b.accepted, b.rejected, b.unknown_outcomes, b.parked)]
+            row += [
+                f"{n:,}" for n in (b.accepted, b.rejected, b.unknown_outcomes, b.parked, b.beyond_estimates)
+            ]
         table.add_row(*row)
     return table
 

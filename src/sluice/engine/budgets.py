@@ -44,8 +44,12 @@ TOKEN_RATE_BUDGET = "#tpm"  # noqa: S105 - a key name, not a secret
 class BudgetState:
     """One budget as it stands now (its window moved on first). Times are Unix ms.
 
-    ``used`` counts held reservations and committed usage in the current window;
-    ``remaining`` is ``limit - used`` and never below zero. ``resets_at_ms``:
+    ``used`` counts held reservations and committed usage in the current window,
+    everything a handler reported included, even past the limit; ``remaining`` is
+    ``limit - used`` and never below zero, ``overspent`` is ``used - limit`` when
+    that is above zero (the budget then admits nothing). ``beyond_estimates``:
+    tokens charged beyond the estimates of reservations, since the budget was
+    made (what makes a budget overspent). ``resets_at_ms``:
     when the calendar window turns, or when the oldest charge leaves a rolling
     window (None: no window, or nothing to expire).
     """
@@ -62,6 +66,8 @@ class BudgetState:
     unknown_outcomes: int
     parked: int
     resets_at_ms: int | None
+    overspent: int = 0
+    beyond_estimates: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +95,8 @@ class Settlement:
     changed: bool
     #: tokens the reservation charges now
     charged: int
-    #: usage beyond what the budgets could still admit, reported but not charged
-    over: int
+    #: tokens charged beyond the estimate (already in ``charged``: usage is charged in full)
+    beyond: int
 
 
 def check_budget_name(name: object) -> str:
@@ -157,6 +163,8 @@ def _state(name: str, v: list[Any]) -> BudgetState | None:
         unknown_outcomes=int(v[8]),
         parked=int(v[9]),
         resets_at_ms=turns if turns >= 0 else None,
+        overspent=max(used - limit, 0),
+        beyond_estimates=int(v[11]),
     )
 
 
@@ -246,7 +254,7 @@ class Budgets:
             if name != TOKEN_RATE_BUDGET:
                 check_budget_name(name)
         raw = await self._queue.scripts.budget_read(keys=self._keys.flow, args=[script_now(now), *names])
-        return [_state(name, raw[i * 11 : (i + 1) * 11]) for i, name in enumerate(names)]
+        return [_state(name, raw[i * 12 : (i + 1) * 12]) for i, name in enumerate(names)]
 
     @writes
     async def reserve(
@@ -294,8 +302,9 @@ class Budgets:
     async def commit(self, reservation_id: str, used_tokens: int, *, now: int | None = None) -> Settlement:
         """Charge what was actually used and give the rest of the reservation back.
 
-        Usage above the reservation is charged only as far as every level can
-        still admit it (balances never go below zero); the rest is ``over``.
+        Usage above the reservation is charged in full to every level, past its
+        limit if need be (the provider billed it): such a budget is ``overspent``
+        and admits nothing more until its window or a top-up makes room.
         """
         check_tokens("used_tokens", used_tokens)
         return await self._settle(reservation_id, "commit", used_tokens, now)
@@ -323,10 +332,11 @@ class Budgets:
     async def _settle(self, rid: str, how: str, tokens: int, now: int | None) -> Settlement:
         check_reservation_id(rid)
         at = script_now(now)
-        state, changed, charged, over = await self._queue.scripts.settle(
-            keys=[*self._keys.flow, self._keys.wake], args=[at, _stored(rid), how, tokens]
+        state, changed, charged, beyond = await self._queue.scripts.settle(
+            keys=[*self._keys.flow, self._keys.wake, self._keys.events],
+            args=[at, _stored(rid), how, tokens, self._queue.events_maxlen],
         )
-        return Settlement(rid, state.decode(), bool(changed), int(charged), int(over))
+        return Settlement(rid, state.decode(), bool(changed), int(charged), int(beyond))
 
     async def _change(self, name: str, op: str, tokens: int, now: int | None) -> int:
         code, limit = await self._put(name, op, tokens, "", 0, "", now)

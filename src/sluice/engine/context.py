@@ -72,11 +72,15 @@ class JobContext:
     def record_usage(self, tokens: int) -> None:
         """Report the tokens this attempt actually used (e.g. the provider's usage.total_tokens).
 
-        At completion the job's reservation is corrected to it: the rest of
-        the estimate goes back to its budget and to the token-rate window.
-        Report 0 when the provider was never called. Without a report, a
-        completed attempt keeps its whole estimate charged, and any other
-        outcome keeps it charged as "unknown outcome" (safe with money).
+        When the attempt ends, whatever its outcome (completed, failed, timed
+        out, cancelled, throttled), the job's reservation is corrected to it:
+        the provider billed what it served. Less than the estimate goes back to
+        the budget and the token-rate window; more is charged in full, past the
+        budget's limit if need be (the budget then admits nothing more). Report
+        0 when the provider was never called. Without a report, a completed
+        attempt keeps its whole estimate charged, a throttled one is refunded
+        (the provider refused the call), and any other outcome keeps it charged
+        as "unknown outcome" (safe with money).
         """
         if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_TOKENS:
             raise ValueError(f"tokens must be an integer from 0 to {MAX_TOKENS}, got {tokens!r}")

@@ -123,6 +123,13 @@ class JobSpec:
             raise InvalidJobError(
                 f"budget {self.budget!r} is not a budget name: use 1-100 characters from A-Z a-z 0-9 _ . : -"
             )
+        if budget is not None and self.tokens < 1:
+            # Admission compares the estimate with the room left: without one, a job would
+            # be admitted by a full budget and spend whatever it spends.
+            raise InvalidJobError(
+                f"a job that spends from budget {budget!r} needs tokens=, its token estimate "
+                "(prompt tokens + max output tokens), of at least 1"
+            )
         if self.on_exhausted not in ON_EXHAUSTED:
             raise InvalidJobError(f'on_exhausted must be "reject" or "wait", got {self.on_exhausted!r}')
 

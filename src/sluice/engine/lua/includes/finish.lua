@@ -28,17 +28,23 @@
 -- @include ledger
 -- @include retention
 
-local function settle_attempt(K, jk, rid, kind, usage, now, C)
+-- What the handler reported is charged, whatever the outcome: the provider
+-- billed it (a throttle that reports usage was served, then asked to slow
+-- down). Without a report: a completion keeps its estimate, a throttle is
+-- refunded (the provider refused the call), anything else keeps the estimate
+-- as an unknown outcome.
+local function settle_attempt(K, jk, id, rid, kind, usage, now, C)
   if usage >= 0 then redis.call('HSET', jk, 'usage', usage) end
   if not rid then return end
   local how = 'commit'
-  if kind == 't' then
+  if usage < 0 and kind == 't' then
     how = 'refund'
-  elseif kind ~= 'c' and usage < 0 then
+  elseif usage < 0 and kind ~= 'c' then
     how = 'unknown'
   end
-  local _, changed = settle(K, rid, how, usage, now, reservation_keep_ms(K))
+  local _, changed, _, crossed = settle(K, rid, how, usage, now, reservation_keep_ms(K))
   if changed and how == 'unknown' then C.unknown_outcome = C.unknown_outcome + 1 end
+  emit_overspent(K, crossed, id, rid)
 end
 
 local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C)
@@ -56,7 +62,7 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C
     C.overrun = C.overrun + 1
     kind = 'f'
   end
-  settle_attempt(K, jk, cur[8], kind, usage, now, C)
+  settle_attempt(K, jk, id, cur[8], kind, usage, now, C)
   -- A record whose numbers do not parse (damaged by another writer) must not
   -- fail the whole batch: missing numbers count as 0, a missing score dead-letters.
   local attempt = tonumber(cur[3]) or 0

@@ -8,6 +8,7 @@
 --   period  the calendar window the 'used' figure belongs to (day or month number)
 --   parent  name of the budget above it (a tenant under a team), or absent
 --   accepted / rejected / unknown   cumulative reservation counters
+--   beyond  cumulative tokens charged beyond the estimates of reservations
 -- A rolling budget also has a log, a zset at K.logp .. name: member
 -- '<amount> <reservation id>' -> time reserved; the charge leaves the window
 -- (and 'used') win_ms later. The amount lives in the member, not only in the
@@ -20,7 +21,9 @@
 --   b       the budget names charged, space separated, the job's own first
 --   p       per budget the window it was charged in (period, or 0)
 --   state   held | committed | refunded | unknown
---   over    tokens used beyond what the budgets could still admit (not charged)
+--   beyond  tokens used beyond the estimate (charged in full, like the rest)
+--   over    (written by Sluice before 0.2: usage beyond what the budgets could
+--           still admit, which was not charged; read by nothing now)
 -- Settling (commit or refund) a reservation that is no longer held changes
 -- nothing, so both are idempotent.
 --
@@ -28,6 +31,8 @@
 -- level's 'used' equal to the sum of its reservations' amounts; the one
 -- exception is usage beyond the estimate, which the token-rate window takes
 -- in full while budgets take only what they still have room for.
+
+-- @include emit
 
 -- Adds the flow-control and ledger key names, passed as KEYS[i] .. KEYS[i + 6]
 -- by every script that uses them (see keys.py: QueueKeys.flow).
@@ -159,11 +164,12 @@ local function budget_retry_at(K, b, need, now)
   return -1
 end
 
--- The first level of `levels` that cannot admit `amount` more tokens, or nil.
+-- The first level of `levels` that cannot admit `amount` more tokens, or nil. A
+-- level that is full (or past its limit) admits nothing, not even 0 tokens.
 local function refusing_level(levels, amount)
   for i = 1, #levels do
     local b = levels[i]
-    if b.used + amount > b.limit then return b end
+    if b.used + amount > b.limit or b.used >= b.limit then return b end
   end
   return nil
 end
@@ -208,15 +214,19 @@ end
 
 -- Settles a held reservation: how 'commit' (charge `actual`; a negative
 -- actual keeps the amount charged), 'refund' (charge nothing) or 'unknown'
--- (keep the charge: the provider may have been called). Tokens given back
--- make the jobs parked on those budgets due for another try. Returns the
--- state after the call, whether this call changed it, and whether tokens
--- were given back to a budget with parked jobs.
+-- (keep the charge: the provider may have been called). What was used is
+-- charged in full to every level, past its limit if need be: a budget is the
+-- money spent, and a provider bills what it served. A level past its limit
+-- admits nothing more until its window or a top-up makes room. Tokens given
+-- back make the jobs parked on those budgets due for another try. Returns the
+-- state after the call, whether this call changed it, whether tokens were
+-- given back to a budget with parked jobs, and the levels this call took past
+-- their limits.
 local function settle(K, rid, how, actual, now, keep_ms)
   local rk = K.resvp .. rid
   local r = redis.call('HMGET', rk, 'state', 'amt', 'b', 'p')
-  if not r[1] then return 'missing', false, false end
-  if r[1] ~= 'held' then return r[1], false, false end
+  if not r[1] then return 'missing', false, false, {} end
+  if r[1] ~= 'held' then return r[1], false, false, {} end
   local amt = tonumber(r[2]) or 0
   local target = amt
   if how == 'refund' then target = 0 elseif how == 'commit' and actual >= 0 then target = actual end
@@ -229,29 +239,12 @@ local function settle(K, rid, how, actual, now, keep_ms)
     if b and how == 'unknown' then redis.call('HINCRBY', b.key, 'unknown', 1) end
     if b and still_counted(K, b, rid, amt, tonumber(periods[i]) or 0) then levels[#levels + 1] = b end
   end
-  local full = target - amt
-  local delta = full
-  if delta > 0 then
-    -- Usage beyond the reservation is charged to the budgets only as far as
-    -- every one can still admit it: a balance never goes below zero. The rest
-    -- is reported. The token-rate window ('#tpm') takes all of it: it only
-    -- measures what went to the provider, and a full window must not keep
-    -- the budgets from being charged.
-    local room = delta
-    for i = 1, #levels do
-      if levels[i].name ~= '#tpm' then room = math.min(room, levels[i].limit - levels[i].used) end
-    end
-    if room < 0 then room = 0 end
-    if room < delta then
-      redis.call('HINCRBY', rk, 'over', delta - room)
-      delta = room
-    end
-  end
+  local d = target - amt
   local freed = false
+  local crossed = {}
   for i = 1, #levels do
     local b = levels[i]
-    local d = delta
-    if b.name == '#tpm' then d = full end
+    local was = b.used
     b.used = math.max(b.used + d, 0)
     redis.call('HSET', b.key, 'used', b.used)
     if b.win == 'roll' and d ~= 0 then
@@ -260,11 +253,16 @@ local function settle(K, rid, how, actual, now, keep_ms)
       redis.call('ZREM', lk, amt .. ' ' .. rid)
       redis.call('ZADD', lk, at, (amt + d) .. ' ' .. rid)
     end
+    if d > 0 and b.name ~= '#tpm' then
+      redis.call('HINCRBY', b.key, 'beyond', d)
+      if was <= b.limit and b.used > b.limit then crossed[#crossed + 1] = b end
+    end
     if d < 0 and room_freed(K, b, now) then freed = true end
   end
+  if d > 0 then redis.call('HSET', rk, 'beyond', d) end
   local state = 'committed'
   if how == 'refund' then state = 'refunded' elseif how == 'unknown' then state = 'unknown' end
-  redis.call('HSET', rk, 'state', state, 'amt', amt + delta, 'settled', now)
+  redis.call('HSET', rk, 'state', state, 'amt', target, 'settled', now)
   -- Kept long enough to answer a late commit or refund: a caller's for 8 days
   -- (longer than any rolling window), a job attempt's as long as its job's
   -- record (`keep_ms`), so finished jobs do not leave reservations behind.
@@ -273,5 +271,15 @@ local function settle(K, rid, how, actual, now, keep_ms)
   else
     redis.call('PEXPIRE', rk, 8 * 86400000)
   end
-  return state, true, freed
+  return state, true, freed, crossed
+end
+
+-- One 'overspent' event per level a settle took past its limit (job_id: the job
+-- whose attempt used the tokens, '' for a caller's reservation).
+local function emit_overspent(K, crossed, job_id, rid)
+  for i = 1, #crossed do
+    local b = crossed[i]
+    emit(K.events, K.maxlen, 'overspent', job_id, 'budget', b.name, 'used', b.used, 'limit', b.limit,
+         'reservation', rid)
+  end
 end
