@@ -7,8 +7,9 @@ BLPOP on :func:`go_key`), then makes COUNT reservations of 1 to 200 tokens
 (sizes from ``random.Random(SEED)``) with ids ``p<INDEX>-<i>`` against BUDGET
 through ``Queue.budgets.reserve``, each followed by a pause of up to a
 millisecond (half of them none). After every tenth it also reserves one of
-the ids ``shared-<i>``, which every process asks for with the same size, so
-the processes race on the same ids too. It writes what each call answered
+the ids ``shared-<i>.<BUDGET>``, which every process of that budget asks for
+with the same size, so the processes race on the same ids too (an id names
+one reservation, so processes of other budgets use ids of their own). It writes what each call answered
 to OUT as JSON: a list of ``[id, tokens, accepted, duplicate, remaining,
 refused_by]``.
 """
@@ -53,7 +54,7 @@ async def race(url: str, prefix: str, budget: str, index: int, count: int, seed:
         for i in range(count):
             await reserve(f"p{index}-{i}", rng.randint(1, 200))
             if i % 10 == 0:
-                await reserve(f"shared-{i}", shared_size(i))
+                await reserve(f"shared-{i}.{budget}", shared_size(i))
             if rng.random() < 0.5:
                 await asyncio.sleep(rng.random() / 1000)
     return answers

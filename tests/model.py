@@ -337,6 +337,7 @@ class ModelReservation:
     job: str
     state: str = "held"
     beyond: int | None = None  # tokens used beyond the estimate (charged)
+    by: str | None = None  # refused: the budget that refused it
     settled: int | None = None
     caller: bool = False  # made by budgets.reserve: its hold expires (the dispatch script's does not)
 
@@ -352,6 +353,8 @@ class ModelReservation:
         }
         if self.beyond is not None:
             h["beyond"] = str(self.beyond)
+        if self.by is not None:
+            h["by"] = self.by
         if self.settled is not None:
             h["settled"] = str(self.settled)
         return h
@@ -1131,17 +1134,25 @@ class Model:
 
     def reserve(self, now: int, name: str, tokens: int, rid: str, job_id: str) -> tuple[int, int, str]:
         """reserve.lua: (code, remaining, refusing or missing budget). 1 reserved; 0 refused;
-        2 a duplicate id that still charges, 3 a duplicate id that was refunded; -1 no such budget."""
+        2 a duplicate id that still charges, 3 a duplicate id that was refunded, 4 one that
+        was refused; -1 no such budget; -5 the id was reserved on another budget."""
         chain, missing = self._chain(name, now)
         if missing is not None:
             return -1, 0, missing
         own = chain[0]
         prior = self.resv.get(rid)
         if prior is not None:
-            return (3 if prior.state == "refunded" else 2), max(own.limit - own.used, 0), ""
+            if prior.names[0] != name:
+                return -5, 0, prior.names[0]
+            code = {"refunded": 3, "refused": 4}.get(prior.state, 2)
+            return code, max(own.limit - own.used, 0), prior.by or ""
         refusing = next((b for b in chain if _refuses(b, tokens)), None)
         if refusing is not None:
             refusing.count("rejected")
+            # remembered, so that asking again is answered the same
+            names, periods = [b.name for b in chain], [b.period or 0 for b in chain]
+            self.resv[rid] = ModelReservation(rid, 0, tokens, names, periods, now, job_id, state="refused")
+            self.resv[rid].by, self.resv[rid].caller = refusing.name, True
             return 0, max(own.limit - own.used, 0), refusing.name
         self._charge(rid, job_id, chain, tokens, now)
         self.resv[rid].caller = True

@@ -834,11 +834,11 @@ class QueueMachine(RuleBasedStateMachine):
         code, remaining, other = self.model.reserve(now, name, tokens, stored(rid), job_id)
         event(f"ledger: reserve -> {code}")
         reserve = self.queue.budgets.reserve(name, tokens, rid, job_id=job_id, now=now)
-        if code == -1:
+        if code in (-1, -5):
             with pytest.raises(BudgetError):
                 self.run(reserve)
         else:
-            expected = Reservation(rid, code in (1, 2), remaining, other or None, code in (2, 3))
+            expected = Reservation(rid, code in (1, 2), remaining, other or None, code in (2, 3, 4))
             assert self.run(reserve) == expected
 
     def settle(self, data: st.DataObject, how: str) -> None:
@@ -861,7 +861,11 @@ class QueueMachine(RuleBasedStateMachine):
         state, changed, charged, over = self.model.settle_script(now, rid, how, used)
         event(f"ledger: settle an attempt's: {how} -> {state}{' (changed)' if changed else ''}")
         k = self.queue.keys
-        reply = self.run(self.queue.scripts.settle(keys=[*k.flow, k.wake], args=[now, rid, how, used]))
+        reply = self.run(
+            self.queue.scripts.settle(
+                keys=[*k.flow, k.wake, k.events], args=[now, rid, how, used, self.queue.events_maxlen]
+            )
+        )
         assert [_s(reply[0]), *reply[1:]] == [state, int(changed), charged, over]
 
     def read(self, data: st.DataObject) -> None:

@@ -271,7 +271,10 @@ class Budgets:
 
         Atomic: it succeeds only if every level can admit the tokens. Calling
         it again with the same ``reservation_id`` charges nothing more: the
-        answer is ``duplicate``, accepted unless that reservation was refunded.
+        answer is ``duplicate``, accepted unless that reservation was refunded
+        or refused (a refusal is remembered as long as a hold, so a retry after
+        a timeout gets the first answer). The same id on another budget raises
+        ``BudgetError``.
 
         Commit or refund within ``hold`` seconds (default one hour). A hold
         left longer (its caller crashed) disappears, and its tokens stay
@@ -290,12 +293,17 @@ class Budgets:
         )
         if code == -1:
             raise BudgetNotFound(refusing.decode())
+        if code == -5:
+            raise BudgetError(
+                f"reservation id {reservation_id!r} was reserved on budget {refusing.decode()!r}, "
+                f"not {name!r}; an id names one reservation: pick a new one for this budget"
+            )
         return Reservation(
             id=reservation_id,
             accepted=code in (1, 2),
             remaining=int(remaining),
             refused_by=refusing.decode() or None,
-            duplicate=code in (2, 3),
+            duplicate=code in (2, 3, 4),
         )
 
     @writes

@@ -6,12 +6,18 @@
 -- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] budget name  ARGV[3] tokens  ARGV[4] reservation id
 -- ARGV[5] job id ('' if none)  ARGV[6] how long the reservation may stay held (ms)
 --
--- Returns {code, remaining, refusing budget}: 1 reserved; 0 refused (some
--- level cannot admit the tokens; nothing was charged); 2 this reservation id
--- exists already and still charges (held, committed or unknown), 3 it exists
--- and was refunded (nothing is charged again in either case); -1 no such
--- budget (the third value names the missing one).
+-- Returns {code, remaining, budget}: 1 reserved; 0 refused (some level cannot
+-- admit the tokens; nothing was charged; the third value names it); 2 this
+-- reservation id exists already and still charges (held, committed or
+-- unknown), 3 it exists and was refunded, 4 it was refused before (the third
+-- value names the budget that refused it): nothing is charged again in any of
+-- these; -1 no such budget (the third value names the missing one); -5 this id
+-- was reserved on another budget (named third).
 -- remaining is what the budget named in ARGV[2] has left after the call.
+--
+-- A refusal is remembered under its id as long as a hold would be: a caller
+-- that asks again (a retry after a timeout) gets the same answer, not one
+-- that room freed meanwhile would give.
 
 -- @include clock
 -- @include ledger
@@ -21,11 +27,13 @@ local now, name, tokens, rid = clock_ms(ARGV[1]), ARGV[2], tonumber(ARGV[3]), AR
 local chain, missing = budget_chain(K, name, now)
 if not chain then return {-1, 0, missing} end
 local own = chain[1]
-local prior = redis.call('HGET', K.resvp .. rid, 'state')
-if prior then
+local prior = redis.call('HMGET', K.resvp .. rid, 'state', 'b', 'by')
+if prior[1] then
+  local first = split_words(prior[2])[1] or ''
+  if first ~= name then return {-5, 0, first} end
   local code = 2
-  if prior == 'refunded' then code = 3 end
-  return {code, math.max(own.limit - own.used, 0), ''}
+  if prior[1] == 'refunded' then code = 3 elseif prior[1] == 'refused' then code = 4 end
+  return {code, math.max(own.limit - own.used, 0), prior[3] or ''}
 end
 local refusing = refusing_level(chain, tokens)
 -- A caller gets a definite answer: a level still counting charges that left
@@ -40,6 +48,15 @@ for _ = 1, 4 do
 end
 if refusing then
   redis.call('HINCRBY', refusing.key, 'rejected', 1)
+  local names, periods = {}, {}
+  for i = 1, #chain do
+    names[i] = chain[i].name
+    periods[i] = chain[i].period or 0
+  end
+  local rk = K.resvp .. rid
+  redis.call('HSET', rk, 'amt', 0, 'est', tokens, 'b', table.concat(names, ' '), 'p',
+             table.concat(periods, ' '), 'state', 'refused', 'at', now, 'job', ARGV[5], 'by', refusing.name)
+  redis.call('PEXPIRE', rk, tonumber(ARGV[6]))
   return {0, math.max(own.limit - own.used, 0), refusing.name}
 end
 reserve(K, rid, ARGV[5], chain, tokens, now)
