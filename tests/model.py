@@ -88,6 +88,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from sluice.engine.job import MAX_TOKENS
+
 WAITING = "waiting"
 DELAYED = "delayed"
 PARKED = "parked"
@@ -299,6 +301,14 @@ class ModelBudget:
     counters: dict[str, int] = field(default_factory=dict)  # accepted, rejected, unknown, beyond
     #: rolling: reservation id -> (time reserved, the amount it charges to the window)
     log: dict[str, tuple[int, int]] = field(default_factory=dict)
+    credit: int | None = None  # the stored one-off credit (None: the field was never written)
+    credit_p: int | None = None  # the window it belongs to: period, end time (rolling), or 0
+    live: int = 0  # the credit that counts now (as of the last consultation)
+
+    @property
+    def admits(self) -> int:
+        """What the current window admits: the standing limit and a live credit."""
+        return self.limit + self.live
 
     def log_members(self) -> list[tuple[str, int]]:
         """The rolling log as Redis holds it: '<amount> <reservation id>' -> time reserved."""
@@ -314,7 +324,13 @@ class ModelBudget:
 
     def hash(self) -> dict[str, str]:
         h = {"limit": str(self.limit), "used": str(self.used), "win": self.win, "win_ms": str(self.win_ms)}
-        for name, value in (("parent", self.parent), ("created", self.created), ("period", self.period)):
+        for name, value in (
+            ("parent", self.parent),
+            ("created", self.created),
+            ("period", self.period),
+            ("credit", self.credit),
+            ("credit_p", self.credit_p),
+        ):
             if value is not None:
                 h[name] = str(value)
         h.update((name, str(n)) for name, n in self.counters.items())
@@ -323,7 +339,7 @@ class ModelBudget:
 
 def _refuses(b: ModelBudget, tokens: int) -> bool:
     """A level refuses what does not fit, and anything at all once full (or past its limit)."""
-    return b.used + tokens > b.limit or b.used >= b.limit
+    return b.used + tokens > b.admits or b.used >= b.admits
 
 
 @dataclass
@@ -410,6 +426,8 @@ class Model:
     #: reservations deleted with their purged job: gone from Redis, still charged
     forgotten: dict[str, ModelReservation] = field(default_factory=dict)
     parkedby: dict[str, float] = field(default_factory=dict)  # budget -> when to retry its parked jobs
+    held: dict[str, int] = field(default_factory=dict)  # callers' held reservations -> hold's end
+    ops: dict[str, dict[str, str]] = field(default_factory=dict)  # budget operation id -> its record
     _retry_cache: dict[str, float] = field(default_factory=dict)  # budget -> retry time, per step
     stepped: bool = False  # a dispatch call made the queue's epoch
 
@@ -620,8 +638,8 @@ class Model:
             at = self._cached_retry_at(b, tokens, now)
             self.parkedby[b.name] = min(self.parkedby.get(b.name, INF), at)
             return
-        left = max(b.limit - b.used, 0)
-        self._reject(now, job, f"budget {b.name} cannot admit {tokens} tokens ({left} of {b.limit} left)")
+        left = max(b.admits - b.used, 0)
+        self._reject(now, job, f"budget {b.name} cannot admit {tokens} tokens ({left} of {b.admits} left)")
         b.count("rejected")
 
     def _reject(self, now: int, job: ModelJob, reason: str) -> None:
@@ -678,7 +696,7 @@ class Model:
         becomes when the first that did not fit may, or it leaves the schedule once
         nothing is parked on it. Returns the number moved."""
         levels, missing = self._chain(name, now)
-        room = None if missing is not None else min(b.limit - b.used for b in levels)
+        room = None if missing is not None else min(b.admits - b.used for b in levels)
         moved, taken, blocked = 0, 0, None
         for job_id, _ in self.parked_set(name):
             job = self.jobs[job_id]
@@ -954,6 +972,11 @@ class Model:
         elif b.win == "roll":
             for rid in [rid for rid, (at, _) in b.log.items() if at + b.win_ms <= now]:
                 b.used -= b.log.pop(rid)[1]
+        # A credit counts in its own window: for ever without one, its calendar window,
+        # or until its end time (rolling).
+        cp = b.credit_p or 0
+        live = b.win == "" or (b.win == "roll" and now < cp) or (b.calendar and cp == b.period)
+        b.live = (b.credit or 0) if (b.credit or 0) > 0 and live else 0
         return b
 
     def _chain(self, name: str, now: int) -> tuple[list[ModelBudget], str | None]:
@@ -979,7 +1002,7 @@ class Model:
     def _free_at(self, b: ModelBudget, need: int) -> int | None:
         """When a rolling budget will have ``need`` tokens free: the first time its reservations
         leaving the window free enough. None: never, by expiry alone."""
-        short = need - (b.limit - b.used)
+        short = need - (b.admits - b.used)
         assert short > 0
         freed = 0
         for at, amount in sorted(b.log.values()):
@@ -992,7 +1015,7 @@ class Model:
         """When a budget that cannot admit ``need`` tokens may: the next calendar window, or
         when the rolling window frees enough; never (inf) for more than the limit, or
         without a window (only a raised limit helps)."""
-        if need > b.limit:
+        if need > b.admits:
             return INF
         if b.calendar:
             return calendar_window(b.win, now)[1]
@@ -1035,7 +1058,7 @@ class Model:
                 b.log[rid] = (b.log[rid][0], r.amt + d)
             if d > 0 and b.name != TOKEN_RATE:
                 b.counters["beyond"] = b.counters.get("beyond", 0) + d
-                if was <= b.limit < b.used:
+                if was <= b.admits < b.used:
                     self._emit(
                         "overspent",
                         job_id,
@@ -1044,7 +1067,7 @@ class Model:
                         "used",
                         b.used,
                         "limit",
-                        b.limit,
+                        b.admits,
                         "reservation",
                         rid.removeprefix("u:"),  # a caller's, by the id it chose
                     )
@@ -1067,6 +1090,7 @@ class Model:
         """settle.lua: settles (waking a worker if parked jobs got tokens back) and answers
         the state, whether it changed, the tokens charged now and the usage beyond room."""
         state, changed, freed = self.settle(now, rid, how, actual)
+        self.held.pop(rid, None)
         if freed:
             self.wake = True
         r = self.resv.get(rid)
@@ -1090,19 +1114,52 @@ class Model:
         self.budgets[name] = ModelBudget(name, limit, win, win_ms, parent, now, period, 0, counters)
         return 1
 
-    def budget_change(self, now: int, name: str, op: str, tokens: int) -> int | None:
-        """budget_put 'limit' or 'topup': the new limit, or None if there is no such budget.
-        A raised limit gives the budget's parked jobs back to waiting at once."""
+    def budget_change(
+        self, now: int, name: str, op: str, tokens: int, op_id: str = ""
+    ) -> tuple[int, int, int, str, str]:
+        """budget_put 'limit', 'adjust' or 'credit': (code, limit, credit, and for -6 the op
+        and budget an id was used for). 1 done; 2 the op id was applied before (what it
+        left); -1 no such budget; -4 past the largest limit; -5 a limit below 0; -6 the id
+        names another operation. What the window admits rising gives the budget's parked
+        jobs back to waiting at once."""
+        if op_id:
+            prior = self.ops.get(op_id)
+            if prior is not None:
+                if (prior["op"], prior["budget"], int(prior["tokens"])) != (op, name, tokens):
+                    return -6, 0, 0, prior["op"], prior["budget"]
+                return 2, int(prior["limit"]), int(prior["credit"]), "", ""
         b = self._consult(name, now)
         if b is None:
-            return None
-        before = b.limit
-        b.limit = tokens if op == "limit" else before + tokens
+            return -1, 0, 0, "", ""
+        base, credit = b.limit, b.live
+        if op == "limit":
+            base = tokens
+        elif op == "adjust":
+            base += tokens
+        else:
+            credit += tokens
+        if base < 0:
+            return -5, b.limit, b.live, "", ""
+        if base > MAX_TOKENS or base + credit > MAX_TOKENS:
+            return -4, b.limit, b.live, "", ""
+        before = b.admits
+        b.limit, b.credit, b.live = base, credit, credit
+        if op == "credit":
+            b.credit_p = b.period if b.calendar else now + b.win_ms if b.win == "roll" else 0
+        if op_id:
+            self.ops[op_id] = {
+                "op": op,
+                "budget": name,
+                "tokens": str(tokens),
+                "limit": str(base),
+                "credit": str(credit),
+                "at": str(now),
+            }
         # A raised limit makes the parked jobs due: the next step moves back what fits.
-        if b.limit > before and name in self.parkedby:
+        if b.admits > before and name in self.parkedby:
             self.parkedby[name] = now
             self.wake = True
-        return b.limit
+        return 1, base, credit, "", ""
 
     def budget_read(self, now: int, name: str) -> dict[str, Any] | None:
         """A budget as Budgets.get reports it (BudgetState's fields), consulting it."""
@@ -1119,7 +1176,7 @@ class Model:
             "name": name,
             "limit": b.limit,
             "used": b.used,
-            "remaining": max(b.limit - b.used, 0),
+            "remaining": max(b.admits - b.used, 0),
             "window": {"": None, "roll": "rolling"}.get(b.win, b.win),
             "window_seconds": b.win_ms / 1000 if b.win == "roll" else None,
             "parent": b.parent,
@@ -1128,14 +1185,46 @@ class Model:
             "unknown_outcomes": b.counters.get("unknown", 0),
             "parked": len(self.parked_set(name)),
             "resets_at_ms": resets,
-            "overspent": max(b.used - b.limit, 0),
+            "overspent": max(b.used - b.admits, 0),
             "beyond_estimates": b.counters.get("beyond", 0),
+            "credit": b.live,
         }
 
-    def reserve(self, now: int, name: str, tokens: int, rid: str, job_id: str) -> tuple[int, int, str]:
+    def sweep_expired(self, now: int, limit: int) -> list[tuple[str, str, bool, int]]:
+        """Callers' holds that ended by ``now`` (at most ``limit``, the first to end first),
+        settled as unknown outcomes: (id, state, whether this settled it, tokens charged)."""
+        due = sorted(self.held.items(), key=lambda item: (item[1], item[0].encode()))
+        out = []
+        for rid, deadline in due[:limit]:
+            if deadline > now:
+                break
+            state, changed, _ = self.settle(now, rid, "unknown", -1)
+            del self.held[rid]
+            r = self.resv.get(rid)
+            out.append((rid, state, changed, r.amt if r is not None else 0))
+        return out
+
+    def sweep_script(self, now: int, how: str, rids: list[str]) -> list[tuple[str, str, bool, int]]:
+        """sweep.lua: the expired holds (no ids), or the named ones settled ``how``."""
+        if not rids:
+            return self.sweep_expired(now, 100)
+        out = []
+        for rid in rids[:100]:
+            state, changed, freed = self.settle(now, rid, how, -1)
+            self.held.pop(rid, None)
+            self.wake = self.wake or freed
+            r = self.resv.get(rid)
+            out.append((rid, state, changed, r.amt if r is not None else 0))
+        return out
+
+    def reserve(
+        self, now: int, name: str, tokens: int, rid: str, job_id: str, hold_ms: int = 3_600_000
+    ) -> tuple[int, int, str]:
         """reserve.lua: (code, remaining, refusing or missing budget). 1 reserved; 0 refused;
         2 a duplicate id that still charges, 3 a duplicate id that was refunded, 4 one that
-        was refused; -1 no such budget; -5 the id was reserved on another budget."""
+        was refused; -1 no such budget; -5 the id was reserved on another budget. Up to ten
+        holds that ended are swept first."""
+        self.sweep_expired(now, 10)
         chain, missing = self._chain(name, now)
         if missing is not None:
             return -1, 0, missing
@@ -1145,7 +1234,7 @@ class Model:
             if prior.names[0] != name:
                 return -5, 0, prior.names[0]
             code = {"refunded": 3, "refused": 4}.get(prior.state, 2)
-            return code, max(own.limit - own.used, 0), prior.by or ""
+            return code, max(own.admits - own.used, 0), prior.by or ""
         refusing = next((b for b in chain if _refuses(b, tokens)), None)
         if refusing is not None:
             refusing.count("rejected")
@@ -1153,7 +1242,8 @@ class Model:
             names, periods = [b.name for b in chain], [b.period or 0 for b in chain]
             self.resv[rid] = ModelReservation(rid, 0, tokens, names, periods, now, job_id, state="refused")
             self.resv[rid].by, self.resv[rid].caller = refusing.name, True
-            return 0, max(own.limit - own.used, 0), refusing.name
+            return 0, max(own.admits - own.used, 0), refusing.name
         self._charge(rid, job_id, chain, tokens, now)
         self.resv[rid].caller = True
-        return 1, own.limit - own.used, ""
+        self.held[rid] = now + hold_ms
+        return 1, own.admits - own.used, ""

@@ -49,6 +49,8 @@ def ms(y: int, mo: int, d: int, h: int = 0, mi: int = 0, s: int = 0, milli: int 
     return (datetime(y, mo, d, h, mi, s, tzinfo=UTC) - EPOCH) // timedelta(milliseconds=1) + milli
 
 
+DAY_MS = 86_400_000
+
 #: A Wednesday noon, UTC: the clock of tests that do not care about the date.
 T = ms(2027, 3, 10, 12)
 
@@ -399,12 +401,12 @@ async def test_topping_up_the_parent_lets_a_parked_job_run(redis: Redis, prefix:
         assert [e["budget"] for e in await events_of(redis, queue, "parked")] == ["team"]
 
         # and topping up the tenant does not help it
-        assert await queue.budgets.top_up("tenant", 100) == 1100
+        assert (await queue.budgets.credit("tenant", 100)).credit == 100
         await asyncio.sleep(0.2)
         assert await second.state() is JobState.PARKED
 
         # When the team is topped up
-        assert await queue.budgets.top_up("team", 300) == 800
+        assert (await queue.budgets.credit("team", 300)).credit == 300
 
         # Then the idle worker runs it at once (not after its 5 s block)
         assert await second.result(timeout=2) == "done"
@@ -430,7 +432,7 @@ async def test_a_parked_job_can_be_cancelled(queue: Queue) -> None:
     assert (await queue.budgets.get("b")).parked == 0
     counts = await queue.counts()
     assert (counts["parked"], counts["cancelled"]) == (0, 1)
-    await queue.budgets.top_up("b", 1000)
+    await queue.budgets.credit("b", 1000)
     assert leased(await step(queue, T + 1)) == []
     assert await job.state() is JobState.CANCELLED
     with pytest.raises(JobCancelled):
@@ -672,19 +674,23 @@ async def test_a_reservation_gets_a_definite_answer_when_a_window_passed_at_once
     assert r.accepted and r.remaining == 0
 
 
-async def test_a_hold_left_too_long_expires_and_stays_charged(redis: Redis, queue: Queue) -> None:
+async def test_a_hold_left_too_long_is_swept_and_stays_charged(redis: Redis, queue: Queue) -> None:
     # Given a caller that reserves 300 tokens for one second, then crashes
     b = queue.budgets
     await b.create("b", 1000)
     assert (await b.reserve("b", 300, "crashed", hold=1)).accepted
-    assert 0 < await redis.pttl(queue.keys.reservation_prefix + "u:crashed") <= 1000
-    # When the hold has passed
+    # (the record outlives the hold, so that a sweep finds it)
+    assert 8 * DAY_MS < await redis.pttl(queue.keys.reservation_prefix + "u:crashed") <= 8 * DAY_MS + 1000
+    # When the hold has passed and the holds are swept
     await asyncio.sleep(1.1)
-    # Then the record is gone (Redis keeps nothing for it), the tokens count as spent,
-    # and a late commit says the reservation is missing
-    assert await b.reservation("crashed") is None
-    assert (await b.get("b")).used == 300
-    assert (await b.commit("crashed", 10)).state == "missing"
+    swept = await b.sweep()
+    # Then it is an unknown outcome: the tokens count as spent, the budget counts it,
+    # and a late commit changes nothing
+    assert [(s.id, s.state) for s in swept] == [("crashed", "unknown")]
+    state = await b.get("b")
+    assert (state.used, state.unknown_outcomes) == (300, 1)
+    late = await b.commit("crashed", 10)
+    assert (late.state, late.changed, late.charged) == ("unknown", False, 300)
     # and a hold is checked like any other input
     with pytest.raises(BudgetError, match="hold must be from 1 to"):
         await b.reserve("b", 1, "x", hold=0)
@@ -783,13 +789,13 @@ async def test_limits_can_be_changed_and_topped_up(queue: Queue) -> None:
     b = queue.budgets
     await b.create("b", 100)
     await b.reserve("b", 80, "r")
-    assert await b.set_limit("b", 50) == 50
+    assert (await b.set_limit("b", 50)).limit == 50
     state = await b.get("b")
     assert (state.used, state.remaining) == (80, 0)
     refused = await b.reserve("b", 1, "r2")
     assert (refused.accepted, refused.remaining) == (False, 0)
     assert (await b.reserve("b", 80, "r")).remaining == 0  # a duplicate: never negative either
-    assert await b.top_up("b", 40) == 90
+    assert (await b.credit("b", 40)).credit == 40
     assert (await b.reserve("b", 10, "r3")).accepted
     assert (await b.get("b")).remaining == 0
 
@@ -892,10 +898,11 @@ async def test_budget_operations_that_cannot_be_done_say_why(queue: Queue) -> No
     with pytest.raises(BudgetError, match="cannot be its own parent"):
         await b.create("b", 10, parent="b")
     created = await b.create("b", 10)
-    with pytest.raises(BudgetExists, match=r"exists already; change it with .*set_limit\(\) or top_up\(\)"):
+    exists = r"exists already; change it with .*set_limit\(\), adjust\(\) or credit\(\)"
+    with pytest.raises(BudgetExists, match=exists):
         await b.create("b", 20)
     assert await b.create("b", 20, exist_ok=True) == created  # left as it was
-    for call in (b.get("nope"), b.reserve("nope", 1, "r"), b.set_limit("nope", 5), b.top_up("nope", 5)):
+    for call in (b.get("nope"), b.reserve("nope", 1, "r"), b.set_limit("nope", 5), b.credit("nope", 5)):
         with pytest.raises(BudgetNotFound, match=r"no budget named 'nope'; create it first") as missing:
             await call
         assert missing.value.name == "nope"
@@ -904,7 +911,7 @@ async def test_budget_operations_that_cannot_be_done_say_why(queue: Queue) -> No
     with pytest.raises(BudgetError, match="used_tokens must be an integer from 0"):
         await b.commit("r", -5)
     with pytest.raises(BudgetError, match="tokens must be an integer from 1"):
-        await b.top_up("b", 0)
+        await b.credit("b", 0)
     for rid in ("", "a b", "x" * 201, "r/1"):
         with pytest.raises(BudgetError, match=r"reservation id .* is not usable"):
             await b.reserve("b", 1, rid)
@@ -919,7 +926,7 @@ async def test_a_refusal_is_remembered_and_an_id_belongs_to_one_budget(queue: Qu
     # gets the first answer: it was refused, and nothing is charged
     first = await b.reserve("b", 150, "big")
     assert (first.accepted, first.duplicate, first.refused_by) == (False, False, "b")
-    assert await b.top_up("b", 100) == 200
+    assert (await b.credit("b", 100)).credit == 100
     again = await b.reserve("b", 150, "big")
     assert (again.accepted, again.duplicate, again.refused_by) == (False, True, "b")
     assert (await b.get("b")).used == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from redis.asyncio import Redis
@@ -16,15 +17,25 @@ async def test_budget_and_flow_commands_change_the_queue(redis: Redis, redis_url
     await invoke("budget", "create", "team", "1000", "--window", "month", *where)
     await invoke("budget", "create", "tenant", "200", "--window", "3600", "--parent", "team", *where)
     await invoke("budget", "create", "tenant", "5", "--exist-ok", *where)
-    out = (await invoke("budget", "top-up", "tenant", "50", *where)).stdout
-    assert "250" in out
+    out = (await invoke("budget", "credit", "tenant", "50", *where)).stdout
+    assert "200 +50" in out
     tenant = await q.budgets.get("tenant")
-    assert (tenant.limit, tenant.window, tenant.window_seconds, tenant.parent) == (
-        250,
+    assert (tenant.limit, tenant.credit, tenant.window, tenant.window_seconds, tenant.parent) == (
+        200,
+        50,
         "rolling",
         3600,
         "team",
     )
+    await invoke("budget", "adjust", "tenant", "-20", "--op-id", "cut-1", *where)
+    again = await invoke("budget", "adjust", "tenant", "-20", "--op-id", "cut-1", *where)
+    assert "applied before: nothing changed now" in again.stderr
+    assert (await q.budgets.get("tenant")).limit == 180
+    reused = await invoke("budget", "credit", "tenant", "5", "--op-id", "cut-1", *where, code=1)
+    assert "operation id 'cut-1' was used for adjust on 'tenant'" in reused.output
+    assert "Nothing was changed" in reused.output
+    old = await invoke("budget", "top-up", "tenant", "5", *where)
+    assert "deprecated" in old.stderr and (await q.budgets.get("tenant")).credit == 55
     await invoke("budget", "set-limit", "team", "900", *where)
     assert (await q.budgets.get("team")).limit == 900
     out = (await invoke("budget", "list", *where)).stdout
@@ -78,8 +89,11 @@ async def test_negative_numbers_reach_the_command(redis: Redis, redis_url: str, 
     q = Queue("neg", redis=redis, prefix=prefix)
     await q.budgets.create("plain", 100)
     where = ["--queue", "neg", "--prefix", prefix, "--redis", redis_url]
-    top_up = (await invoke("budget", "top-up", "plain", "-100", *where, code=2)).output
-    assert "tokens must be 1 or more, got -100" in top_up and "sluice budget set-limit" in top_up
+    credit = (await invoke("budget", "credit", "plain", "-100", *where, code=2)).output
+    assert "tokens must be 1 or more, got -100" in credit and "sluice budget adjust NAME -N" in credit
+    await invoke("budget", "adjust", "plain", "-30", *where)
+    assert (await q.budgets.get("plain")).limit == 70
+    await invoke("budget", "adjust", "plain", "30", *where)
     for args, said in (
         (["budget", "set-limit", "plain", "-5"], "the limit must be from 0 to"),
         (["budget", "create", "neg", "-1.5"], "'limit'"),
@@ -93,7 +107,7 @@ async def test_negative_numbers_reach_the_command(redis: Redis, redis_url: str, 
     # Options are still options, and a payload may be a negative number.
     assert (
         "No such option: --bogus"
-        in (await invoke("budget", "top-up", "plain", "5", "--bogus", *where, code=2)).output
+        in (await invoke("budget", "credit", "plain", "5", "--bogus", *where, code=2)).output
     )
     await invoke("enqueue", "x", "-7", "--any-name", *where)
     assert (await q.get_job("1")).payload == -7  # type: ignore[union-attr]
@@ -133,3 +147,28 @@ async def test_an_overspent_budget_says_by_how_much(redis: Redis, redis_url: str
     assert row.split()[1:5] == ["100", "150", "over", "50"], row
     data = json.loads((await invoke("budget", "list", "--json", *where)).stdout)
     assert (data[0]["overspent"], data[0]["beyond_estimates"], data[0]["remaining"]) == (50, 50, 0)
+
+
+async def test_held_reservations_are_listed_and_swept(redis: Redis, redis_url: str, prefix: str) -> None:
+    q = Queue("holds", redis=redis, prefix=prefix)
+    await q.budgets.create("b", 1000)
+    await q.budgets.reserve("b", 100, "crashed-caller", hold=1, job_id="42")
+    await q.budgets.reserve("b", 200, "slow-caller", hold=3600)
+    await q.budgets.reserve("b", 50, "never-called", hold=7200)
+    await asyncio.sleep(1.1)
+    where = ["--queue", "holds", "--prefix", prefix, "--redis", redis_url]
+    out = (await invoke("budget", "held", *where, env={"COLUMNS": "100"})).stdout
+    rows = [line for line in out.splitlines() if "caller" in line or "never" in line]
+    assert [r.split()[0] for r in rows] == ["crashed-caller", "slow-caller", "never-called"], out
+    assert "expired" in rows[0] and "42" in rows[0] and "expired" not in rows[1]
+    data = json.loads((await invoke("budget", "held", "--json", *where)).stdout)
+    assert next((h["id"], h["tokens"], h["budgets"]) for h in data) == ("crashed-caller", 100, ["b"])
+    bad = await invoke("budget", "sweep", "--refund", *where, code=1)
+    assert "--refund needs the ids" in bad.output
+    out = (await invoke("budget", "sweep", *where)).stdout
+    assert "1 hold(s) settled as unknown outcomes (tokens stay charged): crashed-caller" in out
+    out = (await invoke("budget", "sweep", "never-called", "crashed-caller", "--refund", *where)).stdout
+    assert "1 hold(s) refunded: never-called" in out and "crashed-caller: not held (unknown)" in out
+    state = await q.budgets.get("b")
+    assert (state.used, state.unknown_outcomes) == (300, 1)
+    assert [h.id for h in await q.budgets.held()] == ["slow-caller"]

@@ -124,7 +124,7 @@ async def test_wait_prints_the_result_or_a_rejection_in_cli_words(
         )
     line = rejected.stderr.strip().split("\n", 1)[1]
     assert line.startswith("error: job 4 was rejected: budget small cannot admit 500 tokens"), line
-    assert f"`sluice budget top-up small N --queue wait --prefix {prefix}`" in line
+    assert f"`sluice budget credit small N --queue wait --prefix {prefix}`" in line
     assert "--on-exhausted wait" in line and "on_exhausted" not in line and "queue.budgets" not in line
 
 

@@ -12,7 +12,7 @@ from tests.proc_harness import REPO
 from tests.test_cli import cli, invoke
 
 UNREACHABLE = "redis://:s3cret@127.0.0.1:1/0"
-PYTHON_WORDS = ("exist_ok", "queue.budgets", "set_limit", "top_up", "None", "Traceback")
+PYTHON_WORDS = ("exist_ok", "queue.budgets", "set_limit", "top_up", "op_id", "None", "Traceback")
 
 
 class BrokenWorker(Worker):
@@ -93,9 +93,9 @@ async def test_library_errors_are_worded_as_commands(redis: Redis, redis_url: st
     await Queue("words", redis=redis, prefix=prefix).budgets.create("team", 100)
     exists = (await invoke("budget", "create", "team", "5", *where, code=1)).stderr
     assert f"budget 'team' exists already in queue words (prefix {prefix})" in exists
-    assert f"`sluice budget set-limit team N --queue words --prefix {prefix}`" in exists
-    assert "`sluice budget top-up team N" in exists
-    missing = (await invoke("budget", "top-up", "nobody", "5", *where, code=1)).stderr
+    assert f"`sluice budget adjust team N --queue words --prefix {prefix}` (every window)" in exists
+    assert "`sluice budget credit team N" in exists
+    missing = (await invoke("budget", "credit", "nobody", "5", *where, code=1)).stderr
     assert "no budget named 'nobody'" in missing and "`sluice budget create nobody LIMIT" in missing
     parent = (await invoke("budget", "create", "kid", "5", "--parent", "mom", *where, code=1)).stderr
     assert "parent budget 'mom' does not exist" in parent and "`sluice budget create mom LIMIT" in parent

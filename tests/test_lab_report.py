@@ -2,7 +2,8 @@
 
 The results are synthetic but shaped like a real run of the lab's fixed
 workload (24 load jobs at 4 starts per second on two workers, then a race of
-4 jobs against a 200-token budget), with percentiles computed from the jobs.
+4 jobs against a 200-token budget, then 16 jobs estimating 100 tokens that
+use 150 against a 1,000-token budget), with percentiles computed from the jobs.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ WORKLOAD = {
     "localConcurrency": 3,
     "raceJobs": 4,
     "tokensPerJob": 100,
+    "overuseJobs": 16,
+    "overuseTokensUsed": 150,
 }
 
 
@@ -60,7 +63,8 @@ def _job(
 
 
 def _jobs(mode: str, workers: tuple[str, str]) -> list[dict[str, Any]]:
-    """24 load jobs (16 at priority 10, then 8 at 1), 4 per second; then 4 race jobs at once."""
+    """24 load jobs (16 at priority 10, then 8 at 1), 4 per second; then 4 race jobs at once;
+    then 16 overuse jobs, 4 at a time (naive admits 10 of them, the others 8)."""
     jobs = []
     for i in range(24):
         enqueued = T0 + i * 2.0
@@ -72,6 +76,13 @@ def _jobs(mode: str, workers: tuple[str, str]) -> list[dict[str, Any]]:
     for i in range(4):
         job = _job(f"race-{i}", "race", workers[i % 2], 5, T0 + 6200.0, T0 + 6210.0 + 3.0 * i)
         job["remainingBudget"] = 100 if mode == "naive" else max(0, 100 - 100 * i)
+        if i >= admitted:
+            job.update(status="rejected", reserved=False, completedAt=job["startedAt"] + 1.0, serviceMs=None)
+            job["endToEndMs"] = job["completedAt"] - job["enqueuedAt"]
+        jobs.append(job)
+    admitted = 10 if mode == "naive" else 8
+    for i in range(16):
+        job = _job(f"over-{i:02d}", "overuse", workers[i % 2], 5, T0 + 6500.0, T0 + 6510.0 + 130.0 * (i // 4))
         if i >= admitted:
             job.update(status="rejected", reserved=False, completedAt=job["startedAt"] + 1.0, serviceMs=None)
             job["endToEndMs"] = job["completedAt"] - job["enqueuedAt"]
@@ -99,7 +110,23 @@ def _result(mode: str, workers: tuple[str, str] = ("worker-a", "worker-b")) -> d
         "admittedUtilizationPct": 200.0 if naive else 100.0,
         "ledgerUtilizationPct": 50.0 if naive else 100.0,
     }
-    throttled_at = T0 + 7000.0
+    spend = 1500 if naive else 1200
+    overuse_budget = {
+        "limit": 1000,
+        "estimate": 100,
+        "usage": 150,
+        "concurrency": 4,
+        "realSpend": spend,
+        "overspend": spend - 1000,
+        "bound": 1200,
+        # the naive gate counts estimates only: the budget says "full, not overspent"
+        "ledgerUsed": 1000 if naive else spend,
+        "ledgerOverspent": 0 if naive else spend - 1000,
+        "admittedJobs": 10 if naive else 8,
+        "rejectedJobs": 6 if naive else 8,
+        "maxConcurrent": 4,
+    }
+    throttled_at = T0 + 8000.0
     return {
         "mode": mode,
         "workload": dict(WORKLOAD),
@@ -122,6 +149,7 @@ def _result(mode: str, workers: tuple[str, str] = ("worker-a", "worker-b")) -> d
             "ledgerUtilizationPct": 100.0,
         },
         "raceBudget": race_budget,
+        "overuseBudget": overuse_budget,
         "checks": {
             "usedTwoWorkers": True,
             "priorityOrderEnforced": True,
@@ -129,6 +157,8 @@ def _result(mode: str, workers: tuple[str, str] = ("worker-a", "worker-b")) -> d
             "globalRateLimitObserved": True,
             "atomicBudgetNeverOverspent": not naive,
             "raceOutcomeMatchedExpectation": True,
+            "overuseWithinBound": not naive,
+            "ledgerMatchesRealSpend": not naive,
             "allPassed": True,
         },
         "jobs": jobs,
@@ -147,7 +177,8 @@ def _result(mode: str, workers: tuple[str, str] = ("worker-a", "worker-b")) -> d
 
 
 def lab_results(hostile_worker: bool = False) -> list[dict[str, Any]]:
-    """naive, atomic, admission; naive overspends the race budget, atomic's throttle records a failure."""
+    """naive, atomic, admission; naive overspends the race budget and the overuse bound (its ledger
+    counting estimates only), atomic's throttle records a failure."""
     workers = (HOSTILE, "worker-b") if hostile_worker else ("worker-a", "worker-b")
     return [_result(mode, workers) for mode in ("naive", "atomic", "admission")]
 
@@ -156,6 +187,12 @@ def render(table: Table) -> str:
     console = Console(record=True, width=100, color_system=None)
     console.print(table)
     return console.export_text()
+
+
+def cells(text: str, label: str) -> list[str]:
+    """The cells right of ``label`` on the one table line that starts with it, left to right."""
+    (line,) = [ln for ln in text.splitlines() if re.match(rf"[│┃|]\s*{re.escape(label)}\s+[│┃|]", ln)]
+    return [c.strip() for c in re.split(r"[│┃|]", line)[2:-1]]
 
 
 def marks(text: str, label: str) -> list[str]:
@@ -176,6 +213,8 @@ def test_lab_table_shows_modes_figures_and_checks() -> None:
     assert "200.0" in text and "50.0" in text  # naive: admitted vs ledger utilization
     assert "0 of 2,400" in text  # load budget spent
     assert marks(text, "budget never overspent") == ["✗", "✓", "✓"]
+    assert marks(text, "overuse spend within bound") == ["✗", "✓", "✓"]
+    assert marks(text, "ledger used = real spend") == ["✗", "✓", "✓"]
     assert marks(text, "all checks") == ["✓", "✓", "✓"]
     assert marks(text, "two workers used") == ["✓", "✓", "✓"]
     assert "…" not in text, "a cell was cut short at 100 columns"
@@ -193,6 +232,30 @@ def test_lab_table_latency_rows_match_the_metrics() -> None:
     assert "5,432.1" in p99
     assert marks(text, "all checks") == ["✓", "✓", "✗"]
     assert marks(text, "two workers used") == ["✓", "✓", "-"]
+
+
+def test_lab_table_shows_the_overuse_phase() -> None:
+    # Given a run whose admission mode spent past the bound and whose atomic ledger missed 150 tokens
+    results = lab_results()
+    over = results[2]["overuseBudget"]
+    over.update(realSpend=1350, overspend=350, ledgerUsed=1350, ledgerOverspent=350, admittedJobs=9)
+    results[2]["checks"].update(overuseWithinBound=False, allPassed=False)
+    results[1]["overuseBudget"].update(ledgerUsed=1050, ledgerOverspent=50)
+    results[1]["checks"].update(ledgerMatchesRealSpend=False, allPassed=False)
+
+    text = render(lab_table(results))
+
+    # Then each figure is in its mode's column, and the failed checks show
+    assert cells(text, "overuse spend, tokens") == ["1,500 of 1,000", "1,200 of 1,000", "1,350 of 1,000"]
+    assert cells(text, "overuse overspend") == ["500", "200", "350"]
+    assert cells(text, "overuse bound") == ["1,200", "1,200", "1,200"]
+    assert cells(text, "overuse ledger used") == ["1,000", "1,050", "1,350"]
+    assert cells(text, "overuse ledger overspent") == ["0", "50", "350"]
+    assert cells(text, "overuse admitted, jobs") == ["10", "8", "9"]
+    assert marks(text, "overuse spend within bound") == ["✗", "✓", "✗"]
+    assert marks(text, "ledger used = real spend") == ["✗", "✗", "✓"]
+    assert marks(text, "all checks") == ["✓", "✗", "✗"]
+    assert "bound = limit + 4 running at once x (150 - 100)" in " ".join(text.split())
 
 
 def test_throttle_table() -> None:
@@ -231,8 +294,8 @@ def test_write_report_escapes_what_it_is_given(tmp_path: Path) -> None:
 
     assert "<script" not in page
     assert html.escape(HOSTILE) in page  # in the summary's workers row and the job tables
-    # each mode's column of the workers row, and its 14 jobs on that worker (12 load, 2 race)
-    assert page.count(html.escape(HOSTILE)) == 3 + 3 * 14
+    # each mode's column of the workers row, and its 22 jobs on that worker (12 load, 2 race, 8 overuse)
+    assert page.count(html.escape(HOSTILE)) == 3 + 3 * 22
 
 
 def test_write_report_summary_has_figures_and_checks(tmp_path: Path) -> None:
@@ -242,7 +305,17 @@ def test_write_report_summary_has_figures_and_checks(tmp_path: Path) -> None:
     assert re.findall(r'class="(pass|fail)"', row) == ["fail", "pass", "pass"]
     assert "<td>400 (4 jobs)</td><td>200 (2 jobs)</td><td>200 (2 jobs)</td>" in page
     assert "16 at priority 10, then 8 at priority 1" in page
-    assert "<summary>28 jobs</summary>" in page
+    assert "<summary>44 jobs</summary>" in page
+    # the overuse phase: real spend against the limit, the bound, and what the ledger says
+    (row,) = re.findall(r"<tr><td>overuse spend within bound</td>.*?</tr>", page)
+    assert re.findall(r'class="(pass|fail)"', row) == ["fail", "pass", "pass"]
+    (row,) = re.findall(r"<tr><td>ledger used = real spend</td>.*?</tr>", page)
+    assert re.findall(r'class="(pass|fail)"', row) == ["fail", "pass", "pass"]
+    assert "<td>1,500 of 1,000</td><td>1,200 of 1,000</td><td>1,200 of 1,000</td>" in page
+    assert "<tr><td>overuse bound</td><td>1,200</td><td>1,200</td><td>1,200</td></tr>" in page
+    assert "<tr><td>overuse ledger used</td><td>1,000</td><td>1,200</td><td>1,200</td></tr>" in page
+    assert "<tr><td>overuse ledger overspent</td><td>0</td><td>200</td><td>200</td></tr>" in page
+    assert "16 jobs estimating 100 tokens whose calls use 150 against a 1,000-token budget" in page
 
 
 def test_write_report_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

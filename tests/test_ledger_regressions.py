@@ -246,7 +246,7 @@ async def test_token_counts_past_the_largest_are_refused(queue: Queue) -> None:
         await queue.set_token_rate_limit(MAX_TOKENS + 1)
     await queue.budgets.create("big", MAX_TOKENS - 5)
     with pytest.raises(BudgetError, match="past"):
-        await queue.budgets.top_up("big", 10)
+        await queue.budgets.credit("big", 10)
     assert (await queue.budgets.get("big")).limit == MAX_TOKENS - 5
     ctx = JobContext("q", "1", "llm", None, 1, 3, 0, "w", b"1")
     with pytest.raises(ValueError, match="from 0 to"):

@@ -66,6 +66,7 @@ from sluice import (
     Settlement,
 )
 from sluice.engine.backoff import DEFAULT_BACKOFF
+from sluice.engine.budgets import BudgetChange
 from sluice.engine.clock import set_test_clock
 from sluice.engine.connection import connect
 from sluice.engine.keys import QueueKeys
@@ -309,6 +310,11 @@ def _flow_sections(d: Dump, k: QueueKeys) -> dict[str, Any]:
         out["budgets"][name] = d.hash(k.budget_prefix + name)
     out["logs"] = {name: d.zset(k.budget_log_prefix + name) for name in d.named(k.budget_log_prefix)}
     out["parked"] = {name: d.zset(k.parked_prefix + name) for name in d.named(k.parked_prefix)}
+    out["held"] = d.zset(k.held)
+    out["ops"] = {}
+    for op_id, (_, ttl, _) in d.named(k.budget_ops_prefix).items():
+        assert ttl > 0, f"budget operation {op_id} does not expire"
+        out["ops"][op_id] = d.hash(k.budget_ops_prefix + op_id)
     out["resv"], out["resv_expiring"] = {}, {}
     for rid, (_, ttl, _) in d.named(k.reservation_prefix).items():
         assert ttl == -1 or ttl > 0
@@ -338,6 +344,7 @@ def model_state(model: Model, queue: Queue) -> dict[str, Any]:
     keys |= {k.budget_prefix + name for name in model.budgets}
     keys |= {k.budget_log_prefix + name for name in logs} | {k.parked_prefix + name for name in parked}
     keys |= {k.reservation_prefix + rid for rid in model.resv}
+    keys |= {k.budget_ops_prefix + op_id for op_id in model.ops}
     for key, present in (
         (k.seq, model.seq > 0),
         (k.stats, any(model.stats.values())),
@@ -346,6 +353,7 @@ def model_state(model: Model, queue: Queue) -> dict[str, Any]:
         (k.control, bool(model.control.hash())),
         (k.starts, bool(model.starts)),
         (k.parkedby, bool(model.parkedby)),
+        (k.held, bool(model.held)),
         (k.epoch, model.stepped),  # its value is random: checked in _queue_sections
     ):
         if present:
@@ -370,6 +378,8 @@ def model_state(model: Model, queue: Queue) -> dict[str, Any]:
     out["budgets"] = {name: b.hash() for name, b in model.budgets.items()}
     out["logs"] = logs
     out["parked"] = parked
+    out["held"] = _sorted({rid: float(at) for rid, at in model.held.items()})
+    out["ops"] = model.ops
     out["resv"] = {rid: r.hash() for rid, r in model.resv.items()}
     out["resv_expiring"] = {rid: r.state != "held" or r.caller for rid, r in model.resv.items()}
     return out
@@ -782,10 +792,11 @@ class QueueMachine(RuleBasedStateMachine):
             m.set_concurrency(concurrency)
             self.run(q.set_global_concurrency(concurrency))
 
-    @rule(data=st.data(), op=st.sampled_from(["create", "top up", "set limit"]))
+    @rule(data=st.data(), op=st.sampled_from(["create", "credit", "adjust", "set limit"]))
     def budget(self, data: st.DataObject, op: str) -> None:
         """Create a budget (maybe under a parent, maybe one that exists, or under one that
-        does not), top one up or set its limit (a raised limit gives back its parked jobs)."""
+        does not), credit its window, adjust or set its limit (what the window admits rising
+        gives back its parked jobs), maybe under an operation id that may have been used."""
         if op == "create":
             name = data.draw(st.sampled_from(BUDGETS), label="name")
             parent = data.draw(st.sampled_from([None, *(b for b in BUDGETS if b != name), NO_BUDGET]))
@@ -794,22 +805,26 @@ class QueueMachine(RuleBasedStateMachine):
             self.create_budget(name, limit, window, parent, data.draw(st.booleans(), label="exist_ok"))
             return
         name = data.draw(self.budget_name(), label="name")
-        tokens = data.draw(st.sampled_from([1, 5, 12] if op == "top up" else [*LIMITS, 30]))
+        choices = {"credit": [1, 5, 12], "adjust": [-30, -5, 1, 7], "set limit": [*LIMITS, 30]}[op]
+        tokens = data.draw(st.sampled_from(choices), label="tokens")
+        op_id = data.draw(st.sampled_from(["", "", "op-1", "op-2"]), label="op id")
         now = self.clock.now
         before = len(self.model.events)
-        new_limit = self.model.budget_change(now, name, "topup" if op == "top up" else "limit", tokens)
+        script_op = {"credit": "credit", "adjust": "adjust", "set limit": "limit"}[op]
+        code, limit, credit, _, _ = self.model.budget_change(now, name, script_op, tokens, op_id)
         b = self.queue.budgets
-        change = b.top_up(name, tokens, now=now) if op == "top up" else b.set_limit(name, tokens, now=now)
-        if new_limit is None:
+        call = {"credit": b.credit, "adjust": b.adjust, "set limit": b.set_limit}[op]
+        change = call(name, tokens, op_id=op_id or None, now=now)
+        if code < 0:
             with pytest.raises(BudgetError):
                 self.run(change)
         else:
-            assert self.run(change) == new_limit
-        event(f"budget: {op}{' (parked jobs back)' if len(self.model.events) > before else ''}")
+            assert self.run(change) == BudgetChange(name, limit, credit, applied=code == 1)
+        event(f"budget: {op} -> {code}{' (parked jobs back)' if len(self.model.events) > before else ''}")
 
     @rule(
         data=st.data(),
-        op=st.sampled_from(["reserve", "commit", "refund", "settle an attempt's", "read"]),
+        op=st.sampled_from(["reserve", "commit", "refund", "settle an attempt's", "sweep", "read"]),
     )
     def ledger(self, data: st.DataObject, op: str) -> None:
         """Reserve, commit or refund directly (Budgets keeps callers' reservations apart from
@@ -822,6 +837,8 @@ class QueueMachine(RuleBasedStateMachine):
             self.settle(data, op)
         elif op == "reserve":
             self.reserve(data)
+        elif op == "sweep":
+            self.sweep(data)
         else:
             self.read(data)
 
@@ -831,9 +848,10 @@ class QueueMachine(RuleBasedStateMachine):
         name = data.draw(self.budget_name(), label="budget")
         tokens = data.draw(st.sampled_from([0, 2, 5, 15]), label="tokens")
         job_id = data.draw(st.sampled_from(["", "7"]), label="job id")
-        code, remaining, other = self.model.reserve(now, name, tokens, stored(rid), job_id)
+        hold = data.draw(st.sampled_from([1, 3600]), label="hold (s)")
+        code, remaining, other = self.model.reserve(now, name, tokens, stored(rid), job_id, hold * 1000)
         event(f"ledger: reserve -> {code}")
-        reserve = self.queue.budgets.reserve(name, tokens, rid, job_id=job_id, now=now)
+        reserve = self.queue.budgets.reserve(name, tokens, rid, job_id=job_id, hold=hold, now=now)
         if code in (-1, -5):
             with pytest.raises(BudgetError):
                 self.run(reserve)
@@ -851,6 +869,22 @@ class QueueMachine(RuleBasedStateMachine):
         got = self.run(b.commit(rid, used, now=now) if how == "commit" else b.refund(rid, now=now))
         assert got == Settlement(rid, state, changed, charged, over)
 
+    def sweep(self, data: st.DataObject) -> None:
+        """Budgets.sweep: the holds whose time ran out, or named ones (held or not) settled
+        as unknown outcomes or refunded."""
+        now = self.clock.now
+        named = data.draw(st.booleans(), label="named")
+        rids = (
+            data.draw(st.lists(st.sampled_from(RIDS), max_size=3, unique=True), label="ids") if named else []
+        )
+        refund = named and data.draw(st.booleans(), label="refund")
+        want = self.model.sweep_script(now, "refund" if refund else "unknown", [stored(r) for r in rids])
+        event(f"ledger: sweep{' named' if named else ''} -> {len(want)}")
+        got = self.run(self.queue.budgets.sweep(rids if named else None, refund=refund, now=now))
+        assert got == [
+            Settlement(rid.removeprefix("u:"), state, changed, amt, 0) for rid, state, changed, amt in want
+        ]
+
     def settle_attempt(self, data: st.DataObject, attempts: list[str]) -> None:
         """The settle script on a job's reservation (as a handler's own bookkeeping might):
         the job's outcome then finds it settled."""
@@ -863,7 +897,7 @@ class QueueMachine(RuleBasedStateMachine):
         k = self.queue.keys
         reply = self.run(
             self.queue.scripts.settle(
-                keys=[*k.flow, k.wake, k.events], args=[now, rid, how, used, self.queue.events_maxlen]
+                keys=[*k.flow, k.wake, k.events, k.held], args=[now, rid, how, used, self.queue.events_maxlen]
             )
         )
         assert [_s(reply[0]), *reply[1:]] == [state, int(changed), charged, over]
@@ -1082,7 +1116,8 @@ async def test_gates_and_ledger_reference_sequence(q: Queue, clock: Clock) -> No
     await step(2, [(j1, b"1", b"c", b"1", 0, 0)])
     assert (m.jobs[j3].state, m.jobs[j4].state, m.parkedby["A"]) == (ACTIVE, PARKED, math.inf)
     # The same limit again is not a raised one: j4 stays parked.
-    assert m.budget_change(t0 + 300, "A", "limit", 6) == await b.set_limit("A", 6, now=t0 + 300) == 6
+    assert m.budget_change(t0 + 300, "A", "limit", 6)[:3] == (1, 6, 0)
+    assert await b.set_limit("A", 6, now=t0 + 300) == BudgetChange("A", 6, 0)
     await check()
     # Two throttled attempts are refunded (A has room again, but j4's 9 tokens never fit its 6:
     # j4 stays parked), and the queue waits until the later end: the second, shorter throttle

@@ -42,7 +42,7 @@ async def park_and_drain(redis: Redis, queue: Queue, n: int) -> dict[str, dict[s
         assert len(leased) == 10
         assert (await queue.counts())["parked"] == n - 10
         # A top-up lets the rest through; each call hands in the last call's completions.
-        await b.top_up("full", n)
+        await b.credit("full", n)
         done = 0
         while leased:
             outcomes = [(job_id, token, b"c", b"1", 0, -1) for job_id, token in leased]

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,12 @@ async def _first_event(q: Queue) -> Any:
 
 
 #: One call of every public coroutine of Queue, its Budgets, its WorkerProtocol and Job.
+async def _top_up(q: Queue) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return await q.budgets.top_up("b", 10)
+
+
 CALLS: dict[str, Call] = {
     "Queue.add": lambda q: q.add("x"),
     "Queue.add_bulk": lambda q: q.add_bulk([JobSpec("x")]),
@@ -74,13 +81,17 @@ CALLS: dict[str, Call] = {
     "Queue.set_retention": lambda q: q.set_retention("completed", age=60),
     "Budgets.create": lambda q: q.budgets.create("b", 10),
     "Budgets.set_limit": lambda q: q.budgets.set_limit("b", 10),
-    "Budgets.top_up": lambda q: q.budgets.top_up("b", 10),
+    "Budgets.credit": lambda q: q.budgets.credit("b", 10),
+    "Budgets.adjust": lambda q: q.budgets.adjust("b", 10),
+    "Budgets.sweep": lambda q: q.budgets.sweep(),
     "Budgets.get": lambda q: q.budgets.get("b"),
     "Budgets.get_many": lambda q: q.budgets.get_many(["b"]),
     "Budgets.reserve": lambda q: q.budgets.reserve("b", 1, "r"),
     "Budgets.commit": lambda q: q.budgets.commit("r", 1),
     "Budgets.refund": lambda q: q.budgets.refund("r"),
     "Budgets.reservation": lambda q: q.budgets.reservation("r"),
+    "Budgets.held": lambda q: q.budgets.held(),
+    "Budgets.top_up": _top_up,
     "WorkerProtocol.step": lambda q: q.protocol.step(now=1, want=1, lease_ms=100, worker_id="w"),
     "WorkerProtocol.extend": lambda q: q.protocol.extend(now=1, lease_ms=100, leases=[("1", b"1")]),
     "WorkerProtocol.reap": lambda q: q.protocol.reap(now=1),

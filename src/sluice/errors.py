@@ -227,7 +227,7 @@ class JobRejected(SluiceError):
             advice = "Create the budget (queue.budgets.create) and add the job again."
         else:
             advice = (
-                "Top up the budget (queue.budgets.top_up) or wait for its window to turn, "
+                "Credit the budget (queue.budgets.credit) or wait for its window to turn, "
                 "then add the job again; or add jobs with on_exhausted='wait'."
             )
         super().__init__(f"job {job_id!r} was rejected: {reason}. {advice}")
@@ -252,8 +252,8 @@ class BudgetExists(BudgetError):
 
     def __init__(self, name: str) -> None:
         super().__init__(
-            f"budget {name!r} exists already; change it with queue.budgets.set_limit() or "
-            "top_up(), or pass exist_ok=True to accept the existing one"
+            f"budget {name!r} exists already; change it with queue.budgets.set_limit(), adjust() or "
+            "credit(), or pass exist_ok=True to accept the existing one"
         )
         self.name = name
 

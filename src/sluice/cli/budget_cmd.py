@@ -1,7 +1,9 @@
-"""The token ledger from the terminal: ``sluice budget list | create | top-up | set-limit``."""
+"""The token ledger from the terminal: ``sluice budget list | create | credit | adjust | set-limit |
+held | sweep``."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Annotated
 
@@ -20,11 +22,11 @@ from sluice.cli.options import (
     budget_name,
     parse_window,
 )
-from sluice.cli.output import plain_table, print_json, span, stdout, utc
+from sluice.cli.output import plain_table, print_json, span, stderr, stdout, utc
 from sluice.cli.parsing import SluiceCommand
 from sluice.cli.runtime import with_queue
 from sluice.engine import BudgetState, Queue
-from sluice.engine.budgets import TOKEN_RATE_BUDGET
+from sluice.engine.budgets import TOKEN_RATE_BUDGET, BudgetChange
 from sluice.engine.clock import now_ms
 from sluice.engine.job import MAX_TOKENS
 from sluice.errors import BudgetError, BudgetNotFound
@@ -46,9 +48,27 @@ TokensArg = Annotated[
     int,
     typer.Argument(
         callback=at_least(
-            1, "tokens must be 1 or more", advice="to lower a budget, use `sluice budget set-limit`"
+            1, "tokens must be 1 or more", advice="to lower a budget, use `sluice budget adjust NAME -N`"
         ),
-        help="Tokens added to its limit.",
+        help="Tokens the current window admits beyond the limit.",
+    ),
+]
+DeltaArg = Annotated[
+    int,
+    typer.Argument(
+        callback=at_least(
+            -MAX_TOKENS, f"the change must be from {-MAX_TOKENS:,} to {MAX_TOKENS:,} tokens", MAX_TOKENS
+        ),
+        help="Tokens added to the limit of every window (negative to lower it).",
+    ),
+]
+OpIdOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--op-id",
+        help="An id for this change (e.g. a UUID), the same on every retry of it: the change applies "
+        "once, and a retry prints what the first did.",
+        show_default=False,
     ),
 ]
 WideOpt = Annotated[
@@ -116,7 +136,9 @@ def budget_table(budgets: list[BudgetState], title: str, *, wide: bool = False) 
     for depth, b in _tree(budgets):
         row = [
             ("  " * (depth - 1) + "└─" if depth else "") + b.name,
-            *(_tokens(n, wide) for n in (b.limit, b.used)),
+            # a one-off credit shows beside the standing limit: "1,000 +500"
+            _tokens(b.limit, wide) + (f" +{_tokens(b.credit, wide)}" if b.credit else ""),
+            _tokens(b.used, wide),
             # An overspent budget (usage beyond estimates, charged in full) admits nothing.
             Text(f"over {_tokens(b.overspent, wide)}", style="bold red")
             if b.overspent
@@ -220,47 +242,187 @@ def budget_create(
     _print([with_queue(target, create)], f"budget of {target.describe()}", as_json)
 
 
-@budget_app.command("top-up", cls=SluiceCommand)
-def budget_top_up(
+def _change(
+    target: Target, name: str, what: str, call: Callable[[Queue], Awaitable[BudgetChange]], as_json: bool
+) -> None:
+    async def run(q: Queue) -> tuple[BudgetChange, BudgetState]:
+        try:
+            change = await call(q)
+        except BudgetNotFound:
+            raise
+        except BudgetError as exc:
+            raise CliFailure(f"{exc}. Nothing was changed.") from exc
+        return change, await q.budgets.get(name)
+
+    change, state = with_queue(target, run)
+    if not change.applied and not as_json:
+        stderr().print(f"this operation id was applied before: nothing changed now ({what} left it as shown)")
+    _print([state], f"budget of {target.describe()}", as_json)
+
+
+@budget_app.command("credit", cls=SluiceCommand)
+def budget_credit(
     name: NameArg,
     tokens: TokensArg,
+    op_id: OpIdOpt = None,
     as_json: JsonOpt = False,
     queue: QueueOpt = DEFAULT_QUEUE,
     prefix: PrefixOpt = DEFAULT_PREFIX,
     redis: RedisOpt = None,
 ) -> None:
-    """Add tokens to a budget's limit; jobs parked on it try again at once."""
+    """A one-off credit: the current window admits TOKENS more, later windows do not.
+
+    A day or month budget's credit ends when the window turns; a rolling
+    budget's lasts one window length; without a window it never ends. To raise
+    what every window admits, use `sluice budget adjust`. Jobs parked on the
+    budget try again at once.
+    """
     target = Target(queue, prefix, redis)
+    _change(target, name, "the first credit", lambda q: q.budgets.credit(name, tokens, op_id=op_id), as_json)
 
-    async def top_up(q: Queue) -> BudgetState:
-        try:
-            await q.budgets.top_up(name, tokens)
-        except BudgetError as exc:
-            if isinstance(exc, BudgetNotFound):
-                raise
-            raise CliFailure(
-                f"topping up {name!r} by {tokens:,} would take its limit past {MAX_TOKENS:,}; set the "
-                f"limit you want with `sluice budget set-limit {name} N{target.flags()}`"
-            ) from exc
-        return await q.budgets.get(name)
 
-    _print([with_queue(target, top_up)], f"budget of {target.describe()}", as_json)
+@budget_app.command("adjust", cls=SluiceCommand)
+def budget_adjust(
+    name: NameArg,
+    delta: DeltaArg,
+    op_id: OpIdOpt = None,
+    as_json: JsonOpt = False,
+    queue: QueueOpt = DEFAULT_QUEUE,
+    prefix: PrefixOpt = DEFAULT_PREFIX,
+    redis: RedisOpt = None,
+) -> None:
+    """Add DELTA (negative to lower it) to the limit of every window, atomically.
+
+    Changes made at once from several places all apply, unlike reading the
+    limit and setting a new one. Raising it lets parked jobs try again.
+    """
+    target = Target(queue, prefix, redis)
+    _change(
+        target, name, "the first adjustment", lambda q: q.budgets.adjust(name, delta, op_id=op_id), as_json
+    )
+
+
+@budget_app.command("top-up", cls=SluiceCommand, hidden=True)
+def budget_top_up(
+    name: NameArg,
+    tokens: TokensArg,
+    op_id: OpIdOpt = None,
+    as_json: JsonOpt = False,
+    queue: QueueOpt = DEFAULT_QUEUE,
+    prefix: PrefixOpt = DEFAULT_PREFIX,
+    redis: RedisOpt = None,
+) -> None:
+    """Deprecated: use `sluice budget credit` (this window only) or `sluice budget adjust` (every window)."""
+    stderr().print(
+        "`sluice budget top-up` is deprecated: it is `sluice budget credit` (a one-off credit to the "
+        "current window); use `sluice budget adjust` to raise the limit of every window"
+    )
+    budget_credit(name, tokens, op_id, as_json, queue, prefix, redis)
 
 
 @budget_app.command("set-limit", cls=SluiceCommand)
 def budget_set_limit(
     name: NameArg,
     limit: LimitArg,
+    op_id: OpIdOpt = None,
     as_json: JsonOpt = False,
     queue: QueueOpt = DEFAULT_QUEUE,
     prefix: PrefixOpt = DEFAULT_PREFIX,
     redis: RedisOpt = None,
 ) -> None:
-    """Set a budget's limit; raising it lets jobs parked on it try again."""
+    """Set the limit of every window (this one too); raising it lets parked jobs try again."""
     target = Target(queue, prefix, redis)
+    _change(target, name, "the first call", lambda q: q.budgets.set_limit(name, limit, op_id=op_id), as_json)
 
-    async def set_limit(q: Queue) -> BudgetState:
-        await q.budgets.set_limit(name, limit)
-        return await q.budgets.get(name)
 
-    _print([with_queue(target, set_limit)], f"budget of {target.describe()}", as_json)
+@budget_app.command("held", cls=SluiceCommand)
+def budget_held(
+    budget: Annotated[
+        str | None,
+        typer.Option(callback=budget_name, help="Only holds charging this budget.", show_default=False),
+    ] = None,
+    limit: Annotated[
+        int,
+        typer.Option(
+            callback=at_least(1, "--limit must be from 1 to 100,000", 100_000), help="At most this many."
+        ),
+    ] = 100,
+    as_json: JsonOpt = False,
+    queue: QueueOpt = DEFAULT_QUEUE,
+    prefix: PrefixOpt = DEFAULT_PREFIX,
+    redis: RedisOpt = None,
+) -> None:
+    """Reservations that callers (queue.budgets.reserve) hold and have not settled, first to expire first.
+
+    A hold not settled in time is swept as an unknown outcome by the queue's
+    workers; `sluice budget sweep` does it now.
+    """
+    target = Target(queue, prefix, redis)
+    held = with_queue(target, lambda q: q.budgets.held(budget=budget, limit=limit))
+    if as_json:
+        print_json([asdict(h) for h in held])
+        return
+    if not held:
+        stdout().print(f"no held reservations in {target.describe()}")
+        return
+    now = now_ms()
+    table = plain_table(f"held reservations of {target.describe()}")
+    table.add_column("id", overflow="fold")
+    table.add_column("budgets", overflow="fold")
+    table.add_column("tokens", justify="right", no_wrap=True)
+    table.add_column("held for", no_wrap=True)
+    table.add_column("expires in", no_wrap=True)
+    table.add_column("job", no_wrap=True)
+    for h in held:
+        left = h.expires_at_ms - now
+        table.add_row(
+            h.id,
+            " < ".join(h.budgets),
+            f"{h.tokens:,}",
+            span(max(now - h.reserved_at_ms, 0), compact=True),
+            span(left, compact=True) if left > 0 else Text("expired", style="bold red"),
+            h.job or "-",
+        )
+    stdout().print(table)
+
+
+@budget_app.command("sweep", cls=SluiceCommand)
+def budget_sweep(
+    ids: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Holds to settle now, whatever their time (default: those whose time ran out).",
+            show_default=False,
+        ),
+    ] = None,
+    refund: Annotated[
+        bool,
+        typer.Option("--refund", help="Give the tokens back (the provider was never called); needs IDS."),
+    ] = False,
+    as_json: JsonOpt = False,
+    queue: QueueOpt = DEFAULT_QUEUE,
+    prefix: PrefixOpt = DEFAULT_PREFIX,
+    redis: RedisOpt = None,
+) -> None:
+    """Settle holds nobody will settle: as unknown outcomes (tokens stay charged), or refunded.
+
+    Without IDS: every hold whose time ran out. With IDS: those holds now (a
+    caller you know has crashed); add --refund only when you know it never
+    called the provider.
+    """
+    target = Target(queue, prefix, redis)
+    if refund and not ids:
+        raise CliFailure(
+            "--refund needs the ids of the holds to refund (see `sluice budget held`); holds whose time "
+            "ran out are swept as unknown outcomes, since their callers may have called the provider"
+        )
+    swept = with_queue(target, lambda q: q.budgets.sweep(ids or None, refund=refund))
+    if as_json:
+        print_json([asdict(s) for s in swept])
+        return
+    done = [s for s in swept if s.changed]
+    how = "refunded" if refund else "settled as unknown outcomes (tokens stay charged)"
+    stdout().print(f"{len(done)} hold(s) {how}" + (": " + ", ".join(s.id for s in done) if done else ""))
+    for s in swept:
+        if not s.changed:
+            stdout().print(f"{s.id}: not held ({s.state}), left as it is")

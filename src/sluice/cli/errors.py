@@ -3,7 +3,7 @@
 A failing command prints ``error: <what failed; how to fix it>`` on stderr,
 not a traceback: an unreachable Redis used to give a screen of redis-py
 internals. Library errors are worded as the commands and options that fix
-them (``sluice budget top-up``, ``--on-exhausted wait``), never as the
+them (``sluice budget credit``, ``--on-exhausted wait``), never as the
 Python calls the library's own messages name. Any other exception is a bug
 of ours and says so. ``--debug`` or ``SLUICE_DEBUG=1`` prints the traceback
 instead. Usage errors stay click's (exit code 2).
@@ -68,7 +68,8 @@ def _budget_exists(exc: BudgetExists, where: Target) -> str:
     name, flags = exc.name, where.flags()
     return (
         f"budget {name!r} exists already in {where.describe()}; change it with "
-        f"`sluice budget set-limit {name} N{flags}` or `sluice budget top-up {name} N{flags}`"
+        f"`sluice budget adjust {name} N{flags}` (every window) or `sluice budget credit {name} N{flags}` "
+        "(this window only)"
     )
 
 
@@ -109,7 +110,7 @@ def _result_timeout(exc: ResultTimeout, where: Target) -> str:
     if exc.state == "parked":
         return (
             f"job {exc.job_id} has no result yet: it is parked, waiting for room in its budget, and "
-            f"goes on; top the budget up (`sluice budget top-up`) or wait for its window to turn "
+            f"goes on; credit the budget (`sluice budget credit`) or wait for its window to turn "
             f"(`sluice budget list{flags}` shows when)"
         )
     return (
@@ -138,7 +139,7 @@ def rejection(exc: JobRejected, where: Target, budget: str | None = None) -> str
         found = _REFUSING_BUDGET.match(exc.reason)
         name = found.group(1) if found else budget or "BUDGET"
         advice = (
-            f"top it up with `sluice budget top-up {name} N{flags}` or wait for its window to turn "
+            f"credit it with `sluice budget credit {name} N{flags}` or wait for its window to turn "
             f"(`sluice budget list{flags}`), then enqueue again; with --on-exhausted wait a job waits "
             "for room instead"
         )

@@ -4,7 +4,9 @@ It shows, on every run, what goes wrong when workers check a shared budget
 with read-then-write (naive), and that the atomic ledger and the admission
 gate in the dispatch script do not let it happen; with the shared
 concurrency, rate limit, priorities and provider throttling checked on the
-same run. Exit code 1 when any check fails.
+same run, and, for calls that use more tokens than they reserved, that the
+spend stays within the documented bound and the ledger shows all of it.
+Exit code 1 when any check fails.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ def lab(
     Load phase: 24 jobs of 100 tokens (16 at priority 10, then 8 at priority 1)
     against a 2,400-token budget, global concurrency 4, 4 starts per second,
     one provider 429 (retry after 500 ms). Race phase: 4 jobs of 100 tokens at
-    once against 200 tokens. Prints the figures and the checks per mode.
+    once against 200 tokens. Overuse phase (no rate limit): 16 jobs reserving
+    100 tokens that use 150, against 1,000 tokens: the spend may pass the
+    limit by at most 4 x 50, and the budget must say what was spent. Prints
+    the figures and the checks per mode.
     """
     from sluice.cli.bench_cmd import progress_bar
     from sluice.lab.common import bench_redis, machine_meta
@@ -65,7 +70,7 @@ def lab(
         try:
             meta = await machine_meta(client, url, origin)
             with progress_bar() as bar:
-                tasks = {m: bar.add_task(m, total=workload.load_jobs + workload.race_jobs) for m in modes}
+                tasks = {m: bar.add_task(m, total=workload.total_jobs) for m in modes}
 
                 def show(m: str, done: int, total: int) -> None:
                     bar.update(tasks[m], completed=done, total=total)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,16 +39,23 @@ MAX_HOLD = 8 * 86_400.0
 MAX_DEPTH = 8
 #: The budget that implements the queue's token-rate limit (no user name starts with '#').
 TOKEN_RATE_BUDGET = "#tpm"  # noqa: S105 - a key name, not a secret
+#: Holds settled per sweep script call (sweep.lua: SWEEP_MAX).
+SWEEP_MAX = 100
+#: How long a budget operation id is remembered (ms): 8 days, like a settled reservation.
+OP_ID_KEEP_MS = 8 * 86_400_000
 
 
 @dataclass(frozen=True, slots=True)
 class BudgetState:
     """One budget as it stands now (its window moved on first). Times are Unix ms.
 
+    ``limit`` is the standing limit of every window; ``credit`` a one-off credit
+    the current window admits on top of it (:meth:`Budgets.credit`).
     ``used`` counts held reservations and committed usage in the current window,
     everything a handler reported included, even past the limit; ``remaining`` is
-    ``limit - used`` and never below zero, ``overspent`` is ``used - limit`` when
-    that is above zero (the budget then admits nothing). ``beyond_estimates``:
+    ``limit + credit - used`` and never below zero, ``overspent`` is
+    ``used - (limit + credit)`` when that is above zero (the budget then admits
+    nothing). ``beyond_estimates``:
     tokens charged beyond the estimates of reservations, since the budget was
     made (what makes a budget overspent). ``resets_at_ms``:
     when the calendar window turns, or when the oldest charge leaves a rolling
@@ -68,6 +76,7 @@ class BudgetState:
     resets_at_ms: int | None
     overspent: int = 0
     beyond_estimates: int = 0
+    credit: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +108,35 @@ class Settlement:
     beyond: int
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetChange:
+    """The answer to :meth:`Budgets.set_limit`, :meth:`Budgets.adjust` and :meth:`Budgets.credit`."""
+
+    budget: str
+    #: the standing limit after the operation
+    limit: int
+    #: the current window's one-off credit after the operation
+    credit: int
+    #: False when this operation id had been applied before: nothing changed now, and the
+    #: figures are those the first call left
+    applied: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class HeldReservation:
+    """A caller's reservation that is still held (see :meth:`Budgets.held`). Times are Unix ms."""
+
+    id: str
+    #: the budgets it charges, its own first
+    budgets: tuple[str, ...]
+    tokens: int
+    reserved_at_ms: int
+    #: when its hold ends; after that a sweep settles it as an unknown outcome
+    expires_at_ms: int
+    #: the job id the caller gave, or None
+    job: str | None
+
+
 def check_budget_name(name: object) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
         raise BudgetError(
@@ -122,6 +160,17 @@ def check_reservation_id(rid: object) -> str:
     return rid
 
 
+def check_op_id(op_id: object) -> str | None:
+    if op_id is None:
+        return None
+    if not isinstance(op_id, str) or not _RID.match(op_id):
+        raise BudgetError(
+            f"operation id {op_id!r} is not usable: use 1-200 characters from A-Z a-z 0-9 _ . : - "
+            "(e.g. a UUID made once per change and sent again with every retry of it)"
+        )
+    return op_id
+
+
 def _stored(rid: str) -> str:
     """Callers' reservations live apart from the dispatch script's (``<job id>:<token>``,
     always starting with a digit), so no id a caller picks can meet one of those."""
@@ -143,6 +192,15 @@ def _window_args(window: str | float | None) -> tuple[str, int]:
     return "roll", int(window * 1000)
 
 
+def _settlements(raw: list[Any]) -> list[Settlement]:
+    return [
+        Settlement(
+            raw[i].decode().removeprefix("u:"), raw[i + 1].decode(), bool(raw[i + 2]), int(raw[i + 3]), 0
+        )
+        for i in range(0, len(raw), 4)
+    ]
+
+
 def _state(name: str, v: list[Any]) -> BudgetState | None:
     if v[0] is None:
         return None
@@ -150,11 +208,12 @@ def _state(name: str, v: list[Any]) -> BudgetState | None:
     win = v[2].decode() if v[2] else ""
     window = {"": None, "roll": "rolling"}.get(win, win)
     turns = int(v[10])
+    credit = int(v[12])
     return BudgetState(
         name=name,
         limit=limit,
         used=used,
-        remaining=max(limit - used, 0),
+        remaining=max(limit + credit - used, 0),
         window=window,
         window_seconds=int(v[3]) / 1000 if win == "roll" else None,
         parent=v[5].decode() or None,
@@ -163,8 +222,9 @@ def _state(name: str, v: list[Any]) -> BudgetState | None:
         unknown_outcomes=int(v[8]),
         parked=int(v[9]),
         resets_at_ms=turns if turns >= 0 else None,
-        overspent=max(used - limit, 0),
+        overspent=max(used - limit - credit, 0),
         beyond_estimates=int(v[11]),
+        credit=credit,
     )
 
 
@@ -210,7 +270,7 @@ class Budgets:
             check_budget_name(parent)
             if parent == name:
                 raise BudgetError(f"budget {name!r} cannot be its own parent")
-        code, _ = await self._put(name, "create", limit, win, win_ms, parent or "", now)
+        code = int((await self._put(name, "create", limit, win, win_ms, parent or "", now))[0])
         if code == 0 and not exist_ok:
             raise BudgetExists(name)
         if code == -2:
@@ -220,18 +280,66 @@ class Budgets:
         return await self._get(name, now)
 
     @writes
-    async def set_limit(self, name: str, limit: int, *, now: int | None = None) -> int:
-        """Set a budget's limit; raising it lets parked jobs try again. Returns the limit."""
+    async def set_limit(
+        self, name: str, limit: int, *, op_id: str | None = None, now: int | None = None
+    ) -> BudgetChange:
+        """Set the standing limit: what every window admits from now on (this one too).
+
+        Raising it lets parked jobs try again. Absolute, so a retry is harmless;
+        to change a limit by an amount without reading it first, use
+        :meth:`adjust`. ``op_id``: see :meth:`adjust`.
+        """
         check_budget_name(name)
         check_tokens("limit", limit)
-        return await self._change(name, "limit", limit, now)
+        return await self._change(name, "limit", limit, op_id, now)
 
     @writes
-    async def top_up(self, name: str, tokens: int, *, now: int | None = None) -> int:
-        """Add ``tokens`` to a budget's limit (parked jobs try again); returns the new limit."""
+    async def adjust(
+        self, name: str, delta: int, *, op_id: str | None = None, now: int | None = None
+    ) -> BudgetChange:
+        """Add ``delta`` (negative to lower it) to the standing limit, atomically.
+
+        Unlike reading the limit and setting a new one, two adjustments made at
+        once both apply. ``op_id``: an id you choose for this change and send
+        again with every retry of it (after a timeout or a lost connection):
+        the change applies once, and a retry answers what the first call did
+        (``applied=False``). Ids are remembered for 8 days; an id used for
+        another operation raises ``BudgetError``. A limit may not fall below 0.
+        """
+        check_budget_name(name)
+        if isinstance(delta, bool) or not isinstance(delta, int) or not -MAX_TOKENS <= delta <= MAX_TOKENS:
+            raise BudgetError(f"delta must be an integer from {-MAX_TOKENS} to {MAX_TOKENS}, got {delta!r}")
+        return await self._change(name, "adjust", delta, op_id, now)
+
+    @writes
+    async def credit(
+        self, name: str, tokens: int, *, op_id: str | None = None, now: int | None = None
+    ) -> BudgetChange:
+        """A one-off credit: the current window admits ``tokens`` more; later ones do not.
+
+        On a "day" or "month" budget the credit ends when the window turns; on
+        a rolling one it lasts one window length from now (another credit adds
+        to it and starts that length again); without a window it never ends.
+        To raise what every window admits, use :meth:`adjust` or
+        :meth:`set_limit`. Parked jobs try again. ``op_id``: see :meth:`adjust`.
+        """
         check_budget_name(name)
         check_tokens("tokens", tokens, low=1)
-        return await self._change(name, "topup", tokens, now)
+        return await self._change(name, "credit", tokens, op_id, now)
+
+    @writes
+    async def top_up(
+        self, name: str, tokens: int, *, op_id: str | None = None, now: int | None = None
+    ) -> BudgetChange:
+        """Deprecated: the name did not say whether later windows get the tokens too.
+        Use :meth:`credit` (this window only, what ``top_up`` does now) or :meth:`adjust`."""
+        warnings.warn(
+            "Budgets.top_up is deprecated: use credit() for a one-off credit to the current window, "
+            "or adjust() to raise the limit of every window",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return await self.credit(name, tokens, op_id=op_id, now=now)
 
     @reads
     async def get(self, name: str, *, now: int | None = None) -> BudgetState:
@@ -254,7 +362,7 @@ class Budgets:
             if name != TOKEN_RATE_BUDGET:
                 check_budget_name(name)
         raw = await self._queue.scripts.budget_read(keys=self._keys.flow, args=[script_now(now), *names])
-        return [_state(name, raw[i * 12 : (i + 1) * 12]) for i, name in enumerate(names)]
+        return [_state(name, raw[i * 13 : (i + 1) * 13]) for i, name in enumerate(names)]
 
     @writes
     async def reserve(
@@ -277,10 +385,12 @@ class Budgets:
         ``BudgetError``.
 
         Commit or refund within ``hold`` seconds (default one hour). A hold
-        left longer (its caller crashed) disappears, and its tokens stay
-        charged as spent: the caller may have called the provider. A rolling
-        window still lets them go with the window; a later commit or refund
-        answers ``missing``.
+        left longer (its caller crashed) is swept (by the next reserve calls,
+        the queue's workers, or :meth:`sweep`) as an unknown outcome: its
+        tokens stay charged, since the caller may have called the provider,
+        and each budget counts it in ``unknown_outcomes``. A rolling window
+        still lets them go with the window; a later commit or refund changes
+        nothing (state ``unknown``). :meth:`held` lists the holds.
         """
         check_budget_name(name)
         check_tokens("tokens", tokens)
@@ -288,7 +398,7 @@ class Budgets:
         if isinstance(hold, bool) or not isinstance(hold, int | float) or not 1 <= hold <= MAX_HOLD:
             raise BudgetError(f"hold must be from 1 to {MAX_HOLD:g} seconds, got {hold!r}")
         code, remaining, refusing = await self._queue.scripts.reserve(
-            keys=self._keys.flow,
+            keys=[*self._keys.flow, self._keys.held],
             args=[script_now(now), name, tokens, _stored(reservation_id), job_id, round(hold * 1000)],
         )
         if code == -1:
@@ -337,34 +447,149 @@ class Budgets:
                 return {k.decode(): v.decode() for k, v in raw.items()}
         return None
 
+    @reads
+    async def held(self, *, budget: str | None = None, limit: int = 1000) -> list[HeldReservation]:
+        """Callers' reservations still held, the first to expire first (at most ``limit``).
+
+        ``budget``: only those charging it (at any level). Reservations the
+        dispatch script made for jobs are not here: they end with their
+        attempt, or with its lease (see the active jobs).
+        """
+        if budget is not None:
+            check_budget_name(budget)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100_000:
+            raise BudgetError(f"limit must be an integer from 1 to 100000, got {limit!r}")
+        out: list[HeldReservation] = []
+        start = 0
+        page = 500
+        prefix = self._keys.reservation_prefix
+        while len(out) < limit:
+            ids: list[tuple[bytes, float]] = await self.redis.zrange(  # type: ignore[assignment]
+                self._keys.held, start, start + page - 1, withscores=True
+            )
+            if not ids:
+                break
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rid, _ in ids:
+                    pipe.hmget(prefix + rid.decode(), "state", "amt", "b", "at", "job")
+                rows = await pipe.execute()
+            for (rid, deadline), (state, amt, names, at, job) in zip(ids, rows, strict=True):
+                if state != b"held":
+                    continue  # settled or gone since it was indexed; the next sweep drops it
+                levels = tuple(names.decode().split()) if names else ()
+                if budget is not None and budget not in levels:
+                    continue
+                out.append(
+                    HeldReservation(
+                        id=rid.decode().removeprefix("u:"),
+                        budgets=levels,
+                        tokens=int(amt or 0),
+                        reserved_at_ms=int(at or 0),
+                        expires_at_ms=int(deadline),
+                        job=job.decode() or None if job else None,
+                    )
+                )
+                if len(out) >= limit:
+                    break
+            start += page
+        return out
+
+    @writes
+    async def sweep(
+        self, ids: list[str] | None = None, *, refund: bool = False, now: int | None = None
+    ) -> list[Settlement]:
+        """Settle callers' holds that nobody will settle; returns what each became.
+
+        Without ``ids``: every hold whose time ran out, as an unknown outcome
+        (the queue's workers and each reserve call do this as well, a few at a
+        time). With ``ids``: those holds now, whatever their time (a caller you
+        know has crashed), as unknown outcomes, or refunded with ``refund=True``
+        when you know the provider was never called. An id that is not held any
+        more is left as it is (its state is in the answer).
+        """
+        k = self._keys
+        keys = [*k.flow, k.held, k.wake]
+        at = script_now(now)
+        out: list[Settlement] = []
+        if ids is None:
+            if refund:
+                raise BudgetError(
+                    "refund=True needs the ids of the holds to refund; expired holds are unknown outcomes"
+                )
+            while True:
+                raw = await self._queue.scripts.sweep(keys=keys, args=[at, "unknown"])
+                out += _settlements(raw)
+                if len(raw) < 4 * SWEEP_MAX:
+                    return out
+        for rid in ids:
+            check_reservation_id(rid)
+        how = "refund" if refund else "unknown"
+        for i in range(0, len(ids), SWEEP_MAX):
+            chunk = [_stored(rid) for rid in ids[i : i + SWEEP_MAX]]
+            out += _settlements(await self._queue.scripts.sweep(keys=keys, args=[at, how, *chunk]))
+        return out
+
     async def _settle(self, rid: str, how: str, tokens: int, now: int | None) -> Settlement:
         check_reservation_id(rid)
         at = script_now(now)
         state, changed, charged, beyond = await self._queue.scripts.settle(
-            keys=[*self._keys.flow, self._keys.wake, self._keys.events],
+            keys=[*self._keys.flow, self._keys.wake, self._keys.events, self._keys.held],
             args=[at, _stored(rid), how, tokens, self._queue.events_maxlen],
         )
         return Settlement(rid, state.decode(), bool(changed), int(charged), int(beyond))
 
-    async def _change(self, name: str, op: str, tokens: int, now: int | None) -> int:
-        code, limit = await self._put(name, op, tokens, "", 0, "", now)
+    async def _change(
+        self, name: str, op: str, tokens: int, op_id: str | None, now: int | None
+    ) -> BudgetChange:
+        check_op_id(op_id)
+        reply = await self._put(name, op, tokens, "", 0, "", now, op_id or "")
+        code, limit, credit = int(reply[0]), int(reply[1]), int(reply[2])
         if code == -1:
             raise BudgetNotFound(name)
         if code == -4:
             raise BudgetError(
-                f"topping up {name!r} by {tokens} would take its limit past {MAX_TOKENS}; "
-                "set a lower limit with set_limit"
+                f"{op} of {tokens} on {name!r} would take what it admits past {MAX_TOKENS} "
+                f"(limit {limit}, credit {credit}); nothing was changed"
             )
-        return int(limit)
+        if code == -5:
+            raise BudgetError(
+                f"adjusting {name!r} by {tokens} would take its limit ({limit}) below 0; nothing was changed"
+            )
+        if code == -6:
+            raise BudgetError(
+                f"operation id {op_id!r} was used for {reply[3].decode()} on {reply[4].decode()!r}, not "
+                f"this {op} on {name!r}; an id names one operation: make a new one for each change"
+            )
+        return BudgetChange(name, limit, credit, applied=code == 1)
 
     async def _put(
-        self, name: str, op: str, tokens: int, win: str, win_ms: int, parent: str, now: int | None
-    ) -> tuple[int, int]:
+        self,
+        name: str,
+        op: str,
+        tokens: int,
+        win: str,
+        win_ms: int,
+        parent: str,
+        now: int | None,
+        op_id: str = "",
+    ) -> list[Any]:
         k = self._keys
         q = self._queue
         at = script_now(now)
-        code, limit = await q.scripts.budget_put(
-            keys=[*k.flow, k.waiting, k.wake, k.job_prefix, k.events],
-            args=[at, name, op, tokens, win, win_ms, parent, q.events_maxlen, MAX_TOKENS],
+        reply: list[Any] = await q.scripts.budget_put(
+            keys=[*k.flow, k.waiting, k.wake, k.job_prefix, k.events, k.budget_ops_prefix],
+            args=[
+                at,
+                name,
+                op,
+                tokens,
+                win,
+                win_ms,
+                parent,
+                q.events_maxlen,
+                MAX_TOKENS,
+                op_id,
+                OP_ID_KEEP_MS,
+            ],
         )
-        return int(code), int(limit)
+        return reply

@@ -62,6 +62,8 @@ class QueueKeys:
     budget_prefix: str
     budget_log_prefix: str
     reservation_prefix: str
+    held: str
+    budget_ops_prefix: str
     parked_prefix: str
     parkedby: str
 
@@ -93,6 +95,8 @@ class QueueKeys:
             budget_prefix=base + "budget:",
             budget_log_prefix=base + "blog:",
             reservation_prefix=base + "resv:",
+            held=base + "held",
+            budget_ops_prefix=base + "bop:",
             parked_prefix=base + "parked:",
             parkedby=base + "parkedby",
         )

@@ -882,6 +882,8 @@ class Runner:
                     _, more = await self.queue.protocol.trim(limit=TRIM_BATCH)
                     if not more:
                         break
+                # Callers' budget holds whose time ran out (their callers crashed).
+                swept = await self.queue.budgets.sweep()
                 failures = 0
             except _TRANSIENT as exc:
                 _reraise_if_cancelled()
@@ -899,6 +901,15 @@ class Runner:
                 )
                 self.more = True
                 self.kick.set()
+            if swept:
+                log.warning(
+                    "worker %s: swept %d budget holds nobody settled in time, as unknown outcomes "
+                    "(their tokens stay charged): %s",
+                    self.wid,
+                    len(swept),
+                    ", ".join(s.id for s in swept[:10]) + (" ..." if len(swept) > 10 else ""),
+                    extra={"worker_id": self.wid, "swept": len(swept)},
+                )
 
 
 #: Errors a helper rides out with a backoff: Redis unreachable, slow, restarting or

@@ -41,6 +41,7 @@ COMMANDS = (
     "budget_read",
     "reserve",
     "settle",
+    "sweep",
     "heartbeat",
     "now",
 )
@@ -111,5 +112,6 @@ class Scripts:
         self.budget_read: AsyncScript = redis.register_script(source("budget_read"))
         self.reserve: AsyncScript = redis.register_script(source("reserve"))
         self.settle: AsyncScript = redis.register_script(source("settle"))
+        self.sweep: AsyncScript = redis.register_script(source("sweep"))
         self.heartbeat: AsyncScript = redis.register_script(source("heartbeat"))
         self.now: AsyncScript = redis.register_script(source("now"))

@@ -123,6 +123,14 @@ _FIGURES: tuple[tuple[Row, ...], ...] = (
         ("race ledger util. %", _field("raceBudget", "ledgerUtilizationPct")),
         ("load budget remaining", _of(("loadBudget", "remaining"), ("loadBudget", "initial"))),
     ),
+    (
+        ("overuse spend, tokens", _of(("overuseBudget", "realSpend"), ("overuseBudget", "limit"))),
+        ("overuse overspend", _field("overuseBudget", "overspend", digits=0)),
+        ("overuse bound", _field("overuseBudget", "bound", digits=0)),
+        ("overuse ledger used", _field("overuseBudget", "ledgerUsed", digits=0)),
+        ("overuse ledger overspent", _field("overuseBudget", "ledgerOverspent", digits=0)),
+        ("overuse admitted, jobs", _field("overuseBudget", "admittedJobs", digits=0)),
+    ),
     (("workers", _workers),),
 )
 
@@ -134,9 +142,13 @@ _CHECKS: tuple[tuple[str, str], ...] = (
     ("global rate limit observed", "globalRateLimitObserved"),
     ("budget never overspent", "atomicBudgetNeverOverspent"),
     ("race outcome as expected", "raceOutcomeMatchedExpectation"),
+    ("overuse spend within bound", "overuseWithinBound"),
+    ("ledger used = real spend", "ledgerMatchesRealSpend"),
     ("429 paused the queue, no failure", "throttleRecovered"),
     ("all checks", "allPassed"),
 )
+#: The last of the budget checks: a rule after it in the terminal table.
+_LAST_BUDGET_CHECK = "ledgerMatchesRealSpend"
 
 _THROTTLE_ROWS: tuple[Row, ...] = (
     ("job", _field("throttle", "jobId")),
@@ -152,9 +164,12 @@ def _title(results: Sequence[Result]) -> str:
     if not results:
         return "Sluice lab (no modes run)"
     work = _at(results[0], "workload")
+    overuse = (
+        f" + {_num(_at(work, 'overuseJobs'), 0)} overuse" if _at(work, "overuseJobs") is not None else ""
+    )
     return (
-        f"Sluice lab: {_num(_at(work, 'loadJobs'), 0)} load + {_num(_at(work, 'raceJobs'), 0)} race jobs, "
-        f"{_num(_at(work, 'workerProcesses'), 0)} worker processes"
+        f"Sluice lab: {_num(_at(work, 'loadJobs'), 0)} load + {_num(_at(work, 'raceJobs'), 0)} race"
+        f"{overuse} jobs, {_num(_at(work, 'workerProcesses'), 0)} worker processes"
     )
 
 
@@ -165,9 +180,16 @@ def _caption(results: Sequence[Result]) -> str:
         f"{_num(_at(work, 'rateLimitMax'), 0)} per {_num(_at(work, 'rateLimitDurationMs'), 0)} ms). "
         "Util. %: tokens admitted, or recorded in the budget ledger, over the budget."
     )
+    overuse = _at(results[0], "overuseBudget") if results else None
+    if overuse is not None:
+        e, u, c = (_num(_at(overuse, key), 0) for key in ("estimate", "usage", "concurrency"))
+        text += (
+            f" Overuse: jobs estimating {e} tokens use {u}; spend is what their handlers reported, "
+            f"bound = limit + {c} running at once x ({u} - {e}), ledger is what the budget says."
+        )
     if any(_at(r, "mode") == "naive" for r in results):
         text += (
-            " naive is the check-then-act baseline: it may overspend,"
+            " naive is the check-then-act baseline: it may overspend and counts estimates only,"
             " and its 'all checks' does not count that."
         )
     return text
@@ -192,7 +214,23 @@ def _workload_text(results: Sequence[Result]) -> str:
         f"{f' ({mix})' if mix else ''} against a "
         f"{_num(_at(first, 'loadBudget', 'initial'), 0)}-token budget. "
         f"Race phase: {w('raceJobs')} jobs of {w('tokensPerJob')} tokens at once against a "
-        f"{_num(_at(first, 'raceBudget', 'initial'), 0)}-token budget."
+        f"{_num(_at(first, 'raceBudget', 'initial'), 0)}-token budget." + _overuse_text(first)
+    )
+
+
+def _overuse_text(first: Result) -> str:
+    overuse = _at(first, "overuseBudget")
+    if overuse is None:
+        return ""
+
+    def o(key: str) -> str:
+        return _num(_at(overuse, key), 0)
+
+    return (
+        f" Overuse phase, without the rate limit: {_num(_at(first, 'workload', 'overuseJobs'), 0)} jobs "
+        f"estimating {o('estimate')} tokens whose calls use {o('usage')} against a {o('limit')}-token "
+        f"budget; with at most {o('concurrency')} running at once, the spend may pass the limit by at most "
+        f"{o('concurrency')} x ({o('usage')} - {o('estimate')}) tokens, and the ledger must show it all."
     )
 
 
@@ -226,7 +264,7 @@ def lab_table(results: Sequence[Result]) -> Table:
         table.add_row(
             Text(label, style="bold" if key == "allPassed" else ""),
             *(_mark(_at(r, "checks", key)) for r in results),
-            end_section=key == "raceOutcomeMatchedExpectation",
+            end_section=key == _LAST_BUDGET_CHECK,
         )
     return table
 
@@ -247,6 +285,12 @@ _QUEUE_COLOUR = "#c9d1d9"
 _WORKER_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00")
 _UNKNOWN_COLOUR = "#8c959f"
 _RACE_BAND = "#fff1c2"
+_OVERUSE_BAND = "#e3eefc"
+#: Phases whose rows the timeline shades: (band colour, tick label colour, legend label).
+_PHASE_BANDS = {
+    "race": (_RACE_BAND, "#9a6700", "race phase"),
+    "overuse": (_OVERUSE_BAND, "#0a4f9e", "overuse phase"),
+}
 _REJECTED_COLOUR = "#cf222e"
 _OTHER_STATUS_COLOUR = "#57606a"
 _THROTTLE_COLOUR = "#8250df"
@@ -276,8 +320,9 @@ def _worker_colours(result: Result, jobs: Sequence[Mapping[str, Any]]) -> dict[s
 def _draw_job(ax: Axes, row: int, job: Mapping[str, Any], t0: float, colours: Mapping[str, str]) -> None:
     enqueued, started, done = (_seconds(job.get(k), t0) for k in ("enqueuedAt", "startedAt", "completedAt"))
     status = job.get("status")
-    if job.get("phase") == "race":
-        ax.axhspan(row - 0.5, row + 0.5, color=_RACE_BAND, lw=0, zorder=0)
+    band = _PHASE_BANDS.get(str(job.get("phase")))
+    if band is not None:
+        ax.axhspan(row - 0.5, row + 0.5, color=band[0], lw=0, zorder=0)
     if enqueued is not None and started is not None:
         ax.barh(row, started - enqueued, left=enqueued, height=0.62, color=_QUEUE_COLOUR, zorder=2)
     if started is not None and done is not None and status != "rejected":
@@ -332,8 +377,8 @@ def _legend(colours: Mapping[str, str], jobs: Sequence[Mapping[str, Any]], throt
     handles: list[Artist] = [Patch(color=_QUEUE_COLOUR, label="queue wait")]
     handles += [Patch(color=c, label=_safe(f"processing on {w}")) for w, c in colours.items()]
     statuses = {j.get("status") for j in jobs}
-    if any(j.get("phase") == "race" for j in jobs):
-        handles.append(Patch(color=_RACE_BAND, label="race phase"))
+    phases = {j.get("phase") for j in jobs}
+    handles += [Patch(color=band, label=label) for p, (band, _, label) in _PHASE_BANDS.items() if p in phases]
     if "rejected" in statuses:
         handles.append(Line2D([], [], ls="none", marker="X", color=_REJECTED_COLOUR, label="rejected"))
     if statuses - {"completed", "rejected"}:
@@ -363,8 +408,9 @@ def _draw_timeline(ax: Axes, result: Result) -> list[Artist]:
     labels += [f"{job_id}  throttle" for job_id in ids[len(jobs) :]]
     ax.set_yticks(range(len(ids)), [_safe(label) for label in labels], fontsize=7)
     for tick, job in zip(ax.get_yticklabels(), jobs, strict=False):
-        if job.get("phase") == "race":
-            tick.set_color("#9a6700")
+        band = _PHASE_BANDS.get(str(job.get("phase")))
+        if band is not None:
+            tick.set_color(band[1])
     ax.set_ylim(len(ids) - 0.5, -0.5)
     ax.set_xlabel("seconds since the first enqueue")
     ax.set_title("job timeline", loc="left", fontsize=11)
@@ -575,8 +621,8 @@ def _report_html(results: Sequence[Result], charts: Sequence[str] | None) -> str
             _throttle_html(results),
             "<h2>Modes</h2>",
             '<p class="caption">Timeline: one row per job, grey while it waits in the queue, then coloured '
-            "by the worker that ran it. Race-phase rows are shaded; rejected jobs are marked at the moment "
-            "of rejection.</p>",
+            "by the worker that ran it. Race-phase and overuse-phase rows are shaded; rejected jobs are "
+            "marked at the moment of rejection.</p>",
             *modes,
             "</body>\n</html>\n",
         ]

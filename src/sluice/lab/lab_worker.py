@@ -10,13 +10,20 @@ the budget gate of the lab's mode:
 * admission: the job was added with ``budget=``, so the dispatch script
   reserved before the job started; a job that does not fit never starts.
 
+The call really uses ``usage`` tokens (``tokens`` if the payload has none):
+the overuse phase's calls use more than they estimated. The handler reports
+it with ``ctx.record_usage`` (admission: the engine charges it to the job's
+reservation) and, atomic, commits it to its own reservation. The naive gate
+charges the estimate and nothing after it, as a read-then-write balance that
+trusts the estimate does: usage beyond it is spent but never counted.
+
 Race jobs meet at a Redis barrier right after reading the balance (naive) or
 right before reserving (atomic), so that all of them have read before any
 writes: the naive race then happens on every run, not by luck of timing.
 
-Every attempt appends one JSON span (worker, start, end, outcome, balance) to
-a list in the queue's keys; the lab computes every figure from those spans
-and the job records.
+Every attempt appends one JSON span (phase, worker, start, end, outcome,
+balance, and the tokens its call used) to a list in the queue's keys; the
+lab computes every figure from those spans and the job records.
 """
 
 from __future__ import annotations
@@ -101,8 +108,16 @@ async def llm_call(ctx: JobContext) -> dict[str, Any]:
     redis = queue.redis
     start = _ms()
     mode, phase, cost = p["mode"], p["phase"], int(p["tokens"])
+    usage = int(p.get("usage", cost))
     barrier = (lab_key(ctx.queue, "barrier"), int(p["barrier"])) if p.get("barrier") else None
-    span: dict[str, Any] = {"job": ctx.id, "attempt": ctx.attempt, "worker": ctx.worker_id, "start": start}
+    span: dict[str, Any] = {
+        "job": ctx.id,
+        "phase": phase,
+        "attempt": ctx.attempt,
+        "worker": ctx.worker_id,
+        "start": start,
+        "usage": 0,  # tokens the call used: none unless it was made
+    }
     rid = ctx.reservation_id
     remaining: int | None
     try:
@@ -125,9 +140,9 @@ async def llm_call(ctx: JobContext) -> dict[str, Any]:
             raise Throttled(retry_after=0.5)
         await asyncio.sleep(int(p["latency_ms"]) / 1000)
         if mode == "atomic":
-            await queue.budgets.commit(rid, cost)
-        ctx.record_usage(cost)
-        span.update(outcome="completed", admitted=True, remaining=remaining)
+            await queue.budgets.commit(rid, usage)
+        ctx.record_usage(usage)
+        span.update(outcome="completed", admitted=True, remaining=remaining, usage=usage)
         return {"admitted": True, "remaining": remaining}
     finally:
         span["end"] = _ms()

@@ -211,7 +211,7 @@ async def _parked(q: Queue, g: WorkerGroup, spec: ScaleSpec, r: PhaseResult) -> 
     await asyncio.sleep(0.5)
     # Then a top-up lets every parked job through, in capped steps.
     t0 = time.perf_counter()
-    await q.budgets.top_up("scale", r.size)
+    await q.budgets.credit("scale", r.size)
     await _wait_for(lambda: _at_least(q, r.size), spec.timeout, "draining the parked jobs")
     r.drain_s = time.perf_counter() - t0
 

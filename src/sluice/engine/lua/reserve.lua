@@ -3,6 +3,7 @@
 -- script reserves for jobs added with a budget).
 --
 -- KEYS[1 .. 7]  flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
+-- KEYS[8] held (callers' held reservations -> when their hold ends)
 -- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] budget name  ARGV[3] tokens  ARGV[4] reservation id
 -- ARGV[5] job id ('' if none)  ARGV[6] how long the reservation may stay held (ms)
 --
@@ -18,12 +19,18 @@
 -- A refusal is remembered under its id as long as a hold would be: a caller
 -- that asks again (a retry after a timeout) gets the same answer, not one
 -- that room freed meanwhile would give.
+-- Each call first settles a few holds whose time ran out (see sweep_expired),
+-- so a ledger used without workers cleans up after crashed callers too.
 
 -- @include clock
 -- @include ledger
 
-local K = with_flow_keys({}, 1)
+-- Expired holds settled per reserve call (the worker's sweep takes more).
+local SWEEP_ON_RESERVE = 10
+
+local K = with_flow_keys({held = KEYS[8]}, 1)
 local now, name, tokens, rid = clock_ms(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4]
+sweep_expired(K, now, SWEEP_ON_RESERVE)
 local chain, missing = budget_chain(K, name, now)
 if not chain then return {-1, 0, missing} end
 local own = chain[1]
@@ -60,7 +67,10 @@ if refusing then
   return {0, math.max(own.limit - own.used, 0), refusing.name}
 end
 reserve(K, rid, ARGV[5], chain, tokens, now)
--- A caller's hold expires (its caller may have crashed): the record goes, the
--- charge stays (spent, as far as anyone can tell); settling it then answers 'missing'.
-redis.call('PEXPIRE', K.resvp .. rid, tonumber(ARGV[6]))
+-- A hold that is not settled in time (its caller may have crashed) is swept
+-- as an unknown outcome: the charge stays, spent as far as anyone can tell.
+-- The record outlives the hold, so the sweep finds it; it then stays 8 days.
+local deadline = now + tonumber(ARGV[6])
+redis.call('ZADD', K.held, deadline, rid)
+redis.call('PEXPIRE', K.resvp .. rid, tonumber(ARGV[6]) + 8 * 86400000)
 return {1, own.limit - own.used, ''}

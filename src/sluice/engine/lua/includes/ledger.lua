@@ -7,6 +7,9 @@
 --   win_ms  the rolling window's length
 --   period  the calendar window the 'used' figure belongs to (day or month number)
 --   parent  name of the budget above it (a tenant under a team), or absent
+--   credit  a one-off credit: tokens the current window admits beyond the limit
+--   credit_p  the window the credit belongs to: the period (calendar), the
+--           time it ends (rolling, ms), or 0 (no window: it never ends)
 --   accepted / rejected / unknown   cumulative reservation counters
 --   beyond  cumulative tokens charged beyond the estimates of reservations
 -- A rolling budget also has a log, a zset at K.logp .. name: member
@@ -90,11 +93,12 @@ end
 -- Loads one budget, moving it into the window that contains `now`; nil if absent.
 local function load_budget(K, name, now)
   local bk = K.budp .. name
-  local f = redis.call('HMGET', bk, 'limit', 'used', 'win', 'win_ms', 'period', 'parent')
+  local f = redis.call('HMGET', bk, 'limit', 'used', 'win', 'win_ms', 'period', 'parent', 'credit',
+                       'credit_p')
   if not f[1] then return nil end
   local b = {name = name, key = bk, limit = tonumber(f[1]) or 0, used = tonumber(f[2]) or 0,
              win = f[3] or '', win_ms = tonumber(f[4]) or 0, period = tonumber(f[5]) or 0,
-             parent = f[6]}
+             parent = f[6], credit = 0}
   if b.win == 'day' or b.win == 'month' then
     local p = period_of(b.win, now)
     -- Only forward: a caller whose clock is a little behind must not start
@@ -118,6 +122,17 @@ local function load_budget(K, name, now)
       if #gone >= LOG_PRUNE_MAX then b.behind = true end
     end
   end
+  -- A credit counts in the window it was given for: for ever without a
+  -- window, in its calendar window, or until its end time (rolling).
+  local credit = tonumber(f[7]) or 0
+  if credit > 0 then
+    local cp = tonumber(f[8]) or 0
+    local live = b.win == '' or (b.win == 'roll' and now < cp)
+    if live or ((b.win == 'day' or b.win == 'month') and cp == b.period) then b.credit = credit end
+  end
+  -- From here on `limit` is what this window admits; `base` the standing limit.
+  b.base = b.limit
+  b.limit = b.base + b.credit
   return b
 end
 
@@ -272,6 +287,21 @@ local function settle(K, rid, how, actual, now, keep_ms)
     redis.call('PEXPIRE', rk, 8 * 86400000)
   end
   return state, true, freed, crossed
+end
+
+-- Callers' holds whose time ran out (their caller crashed, or forgot them),
+-- at most `max`, oldest first, settled as unknown outcomes: the charge stays
+-- (the provider may have been called) and each budget counts it. Returns
+-- their ids, the state each is in after the call, and whether this call
+-- settled it. K.held: the index of callers' held reservations.
+local function sweep_expired(K, now, max)
+  local due = redis.call('ZRANGEBYSCORE', K.held, '-inf', now, 'LIMIT', 0, max)
+  local states, changed = {}, {}
+  for i = 1, #due do
+    states[i], changed[i] = settle(K, due[i], 'unknown', -1, now)
+    redis.call('ZREM', K.held, due[i])
+  end
+  return due, states, changed
 end
 
 -- One 'overspent' event per level a settle took past its limit (job_id: the job
