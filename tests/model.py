@@ -82,6 +82,7 @@ tolerate in ways of their own.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -98,11 +99,12 @@ COMPLETED = "completed"
 DEAD = "dead"
 CANCELLED = "cancelled"
 REJECTED = "rejected"
+EXHAUSTED = "exhausted"
 
 #: The live states that have a sorted set of their own.
 LIVE_SETS = (WAITING, DELAYED, ACTIVE, DEAD)
 #: Finished states indexed for retention (dead jobs are in the dead set).
-FINISHED_SETS = (COMPLETED, CANCELLED, REJECTED)
+FINISHED_SETS = (COMPLETED, CANCELLED, REJECTED, EXHAUSTED)
 
 #: The cumulative counters Queue.counts() reports (dead_total is stats "dead").
 COUNTERS = (
@@ -117,6 +119,7 @@ COUNTERS = (
     "orphaned",
     "throttled",
     "rejected",
+    "exhausted",
     "unknown_outcome",
     "overrun",
 )
@@ -197,6 +200,9 @@ class ModelJob:
     usage: int | None = None  # tokens the last attempt that reported any used
     rid: str | None = None  # the reservation of the last attempt that reserved
     parked: str | None = None  # parked: the budget it waits for
+    #: per attempt that reserved (the last 20): [reservation, estimate, usage, charged, outcome]
+    spend: list[list[str | int]] | None = None
+    spent: int = 0  # what the attempts' reservations charged in all
 
     @property
     def score(self) -> int:
@@ -249,6 +255,8 @@ class ModelJob:
             "usage": self.usage,
             "rid": self.rid,
             "parked": self.parked,
+            "spend": None if self.spend is None else json.dumps(self.spend, separators=(",", ":")),
+            "spent": self.spent if self.spend is not None else None,
         }
         for name, value in optional.items():
             if value is not None:
@@ -258,7 +266,7 @@ class ModelJob:
 
 @dataclass(frozen=True)
 class LeasedJob:
-    """The 9 values dispatch returns per leased job, typed as Redis returns them."""
+    """The 11 values dispatch returns per leased job, typed as Redis returns them."""
 
     id: bytes
     token: int
@@ -269,6 +277,8 @@ class LeasedJob:
     timeout_ms: bytes
     backoff: bytes
     created: bytes
+    tokens: int
+    budget: bytes
 
     def flat(self) -> list[bytes | int]:
         return [
@@ -281,6 +291,8 @@ class LeasedJob:
             self.timeout_ms,
             self.backoff,
             self.created,
+            self.tokens,
+            self.budget,
         ]
 
 
@@ -643,8 +655,14 @@ class Model:
         b.count("rejected")
 
     def _reject(self, now: int, job: ModelJob, reason: str) -> None:
-        self._end(job, REJECTED, now)
+        """Refused: 'rejected' if it never spent, 'exhausted' if earlier attempts did."""
         job.error = reason
+        if job.spent > 0:
+            self._end(job, EXHAUSTED, now)
+            self.stats["exhausted"] += 1
+            self._emit("exhausted", job.id, "reason", reason, "spent", job.spent)
+            return
+        self._end(job, REJECTED, now)
         self.stats["rejected"] += 1
         self._emit("rejected", job.id, "reason", reason)
 
@@ -675,6 +693,8 @@ class Model:
             str(s.timeout_ms).encode(),
             s.backoff.encode(),
             str(job.created).encode(),
+            s.tokens,
+            (s.budget or "").encode(),
         )
 
     def _next_due(self, wait: int) -> int:
@@ -761,10 +781,18 @@ class Model:
             self._emit("completed", job.id)
         return 1
 
+    def _record_spend(self, job: ModelJob, rid: str, outcome: str, usage: int) -> None:
+        """The job record's spend list gets the attempt's reservation (the last 20 kept)."""
+        r = self.resv.get(rid)
+        est, amt = (r.est, r.amt) if r is not None else (0, 0)
+        entry: list[str | int] = [rid, est, usage, amt, outcome]
+        job.spend = [*(job.spend or []), entry][-20:]
+        job.spent += amt
+
     def _settle_attempt(self, now: int, job: ModelJob, kind: bytes, usage: int) -> None:
         if usage >= 0:
             job.usage = usage
-        if job.rid is None:
+        if job.rid != f"{job.id}:{job.token}":  # this attempt reserved nothing
             return
         # What was reported is charged whatever the outcome (the provider billed it).
         if usage < 0 and kind == b"t":  # the provider refused the call
@@ -776,6 +804,9 @@ class Model:
         _, changed, _ = self.settle(now, job.rid, how, usage, job_id=job.id)
         if changed and how == "unknown":
             self.stats["unknown_outcome"] += 1
+        outcomes = {b"c": "completed", b"f": "failed", b"p": "failed", b"o": "timed out", b"r": "released"}
+        outcomes |= {b"x": "cancelled", b"t": "throttled"}
+        self._record_spend(job, job.rid, outcomes.get(kind, kind.decode()), usage)
 
     def _released(self, job: ModelJob) -> int:
         self.stats["released"] += 1
@@ -829,8 +860,10 @@ class Model:
         for job_id in expired:
             job = self.jobs[job_id]
             # The worker was lost: the provider may have been called.
-            if job.rid is not None and self.settle(now, job.rid, "unknown", -1)[1]:
-                self.stats["unknown_outcome"] += 1
+            if job.rid == f"{job.id}:{job.token}":
+                if self.settle(now, job.rid, "unknown", -1)[1]:
+                    self.stats["unknown_outcome"] += 1
+                self._record_spend(job, job.rid, "lease lost", -1)
             job.stalls += 1
             self._emit("stalled", job_id, "worker", job.worker or "")
             if job.cancel is not None:  # its cancellation was requested: it ends here

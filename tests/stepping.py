@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sluice import Queue
-from sluice.engine.protocol import StepReply
+from sluice.engine.protocol import LEASED_FIELDS, StepReply
 
 LEASE_MS = 10_000
 
@@ -14,7 +14,12 @@ LEASE_MS = 10_000
 def leased(reply: StepReply) -> list[tuple[str, bytes]]:
     """(job id, token) of each job a step leased, in order."""
     j = reply.jobs
-    return [(j[i].decode(), str(j[i + 1]).encode()) for i in range(0, len(j), 9)]
+    return [(j[i].decode(), str(j[i + 1]).encode()) for i in range(0, len(j), LEASED_FIELDS)]
+
+
+def lease_pairs(jobs: list[Any]) -> list[tuple[str, Any]]:
+    """(job id, token as the reply has it) of each job in a dispatch reply's flat job list."""
+    return [(jobs[i].decode(), jobs[i + 1]) for i in range(0, len(jobs), LEASED_FIELDS)]
 
 
 def ids_of(reply: StepReply) -> list[str]:

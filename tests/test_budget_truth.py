@@ -10,10 +10,24 @@ refunded.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Any
+
 import pytest
 from redis.asyncio import Redis
 
-from sluice import InvalidJobError, JobContext, JobState, Queue, Throttled, Worker
+from sluice import (
+    Backoff,
+    InvalidJobError,
+    JobContext,
+    JobExhausted,
+    JobRejected,
+    JobState,
+    Queue,
+    Throttled,
+    Worker,
+)
+from sluice.engine.events import Event
 from tests.conftest import eventually, running
 from tests.stepping import leased, step
 
@@ -95,3 +109,96 @@ async def test_a_billed_call_that_was_then_throttled_is_charged(
 
 async def _in(queue: Queue, job_id: str, state: JobState) -> bool:
     return await queue.job_state(job_id) is state
+
+
+# ---- what a job's record says about its spend ------------------------------------------------------------
+async def test_a_job_that_spent_and_is_then_refused_ends_exhausted(
+    redis: Redis, prefix: str, queue: Queue
+) -> None:
+    # Given a budget of 150 and a job estimating 100 whose first attempt is billed 120 and fails
+    await queue.budgets.create("b", 150)
+    w = Worker("q", prefix=prefix, concurrency=1)
+    seen: list[tuple[int, str | None]] = []
+
+    @w.handler(name="llm")
+    async def llm(job: JobContext) -> str:
+        seen.append((job.tokens, job.budget))
+        job.record_usage(120)
+        raise RuntimeError("the provider's answer did not parse")
+
+    job = await queue.add("llm", tokens=100, budget="b", max_attempts=3, backoff=Backoff.fixed(0.01))
+    never = await queue.add("llm", tokens=200, budget="b")
+    async with running(w, redis):
+        # When its retry finds only 30 tokens left
+        with pytest.raises(JobExhausted, match="spent tokens in earlier attempts") as ended:
+            await job.result(timeout=10)
+        with pytest.raises(JobRejected) as rejected:
+            await never.result(timeout=10)
+    # Then it ends exhausted, not rejected (a state for jobs that never started), and
+    # is still a JobRejected for code that handles refusals
+    assert isinstance(ended.value, JobRejected) and not isinstance(rejected.value, JobExhausted)
+    record = await job.info()
+    assert record.state is JobState.EXHAUSTED and JobState.EXHAUSTED.finished
+    assert (await never.state()) is JobState.REJECTED
+    # and its record lists what each attempt reserved, reported, was charged and how it ended
+    assert record.spent == 120
+    assert [(a.reservation, a.estimate, a.reported, a.charged, a.outcome) for a in record.attempts_spend] == [
+        (f"{job.id}:1", 100, 120, 120, "failed")
+    ]
+    # the handler saw its estimate and budget
+    assert seen == [(100, "b")]
+    counts = await queue.counts()
+    assert (counts["exhausted"], counts["rejected"]) == (1, 1)
+    events = [e async for e in _events(queue)]
+    assert ("exhausted", job.id, "120") in [(e.name, e.job_id, e.fields.get("spent")) for e in events]
+    assert (await queue.budgets.get("b")).used == 120
+
+
+async def test_each_attempt_is_listed_with_its_outcome(redis: Redis, prefix: str, queue: Queue) -> None:
+    # Given a job that is throttled (billed 10), then fails without a report, then completes (reports 40)
+    await queue.budgets.create("b", 10_000)
+    w = Worker("q", prefix=prefix, concurrency=1)
+    calls: list[int] = []
+
+    @w.handler(name="llm")
+    async def llm(job: JobContext) -> str:
+        calls.append(job.attempt)
+        if len(calls) == 1:
+            job.record_usage(10)
+            raise Throttled(retry_after=0.01)
+        if len(calls) == 2:
+            raise RuntimeError("timeout reading the answer")
+        job.record_usage(40)
+        return "ok"
+
+    job = await queue.add("llm", tokens=50, budget="b", max_attempts=3, backoff=Backoff.fixed(0.01))
+    async with running(w, redis):
+        assert await job.result(timeout=10) == "ok"
+    record = await job.info()
+    assert [(a.estimate, a.reported, a.charged, a.outcome) for a in record.attempts_spend] == [
+        (50, 10, 10, "throttled"),
+        (50, None, 50, "failed"),  # kept at the estimate: an unknown outcome
+        (50, 40, 40, "completed"),
+    ]
+    assert record.spent == 100 == (await queue.budgets.get("b")).used
+    assert record.to_dict()["attempts_spend"][2]["outcome"] == "completed"
+
+
+async def test_a_job_without_a_budget_sees_none(redis: Redis, prefix: str, queue: Queue) -> None:
+    w = Worker("q", prefix=prefix)
+
+    @w.handler(name="plain")
+    async def plain(job: JobContext) -> list[object]:
+        return [job.tokens, job.budget]
+
+    job = await queue.add("plain", tokens=7)
+    async with running(w, redis):
+        assert await job.result(timeout=10) == [7, None]
+    record = await job.info()
+    assert (record.spent, record.attempts_spend) == (0, ())
+
+
+async def _events(queue: Queue) -> AsyncIterator[Event]:
+    entries: Any = await queue.redis.xrange(queue.keys.events, "-", "+")
+    for stream_id, fields in entries:
+        yield Event.parse(stream_id, fields)

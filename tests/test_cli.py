@@ -20,6 +20,7 @@ from typer.testing import CliRunner, Result
 import sluice
 from sluice import JobState, Queue
 from sluice.cli.app import app
+from sluice.engine.protocol import LEASED_FIELDS
 from sluice.settings import ENVIRONMENT
 
 runner = CliRunner()
@@ -42,7 +43,7 @@ async def dead_letter(q: Queue, error: str, count: int = 1) -> list[str]:
     """Add jobs and dead-letter them as a worker would (leased, then failed permanently)."""
     ids = [(await q.add("x")).id for _ in range(count)]
     reply = await q.protocol.step(now=1, want=count, lease_ms=1000, worker_id="w")
-    tokens = {reply.jobs[i].decode(): reply.jobs[i + 1] for i in range(0, len(reply.jobs), 9)}
+    tokens = {reply.jobs[i].decode(): reply.jobs[i + 1] for i in range(0, len(reply.jobs), LEASED_FIELDS)}
     outcomes = [(i, str(tokens[i]).encode(), b"p", error.encode(), 0, -1) for i in ids]
     await q.protocol.step(now=2, want=0, lease_ms=1000, worker_id="w", outcomes=outcomes)
     return ids

@@ -8,7 +8,10 @@ import json
 from redis.asyncio import Redis
 
 from sluice import Queue
+from tests.stepping import completed, leased, step
 from tests.test_cli import invoke
+
+T = 1_800_000_000_000
 
 
 async def test_budget_and_flow_commands_change_the_queue(redis: Redis, redis_url: str, prefix: str) -> None:
@@ -172,3 +175,20 @@ async def test_held_reservations_are_listed_and_swept(redis: Redis, redis_url: s
     state = await q.budgets.get("b")
     assert (state.used, state.unknown_outcomes) == (300, 1)
     assert [h.id for h in await q.budgets.held()] == ["slow-caller"]
+
+
+async def test_show_lists_what_each_attempt_spent(redis: Redis, redis_url: str, prefix: str) -> None:
+    q = Queue("spend", redis=redis, prefix=prefix)
+    await q.budgets.create("b", 1000)
+    job = await q.add("llm", tokens=100, budget="b", max_attempts=2)
+    ((job_id, token),) = leased(await step(q, T))
+    failed = (job_id, token, b"f", b"boom", 0, 120)
+    ((_, token2),) = leased(await step(q, T + 1, outcomes=[failed]))
+    await step(q, T + 2, want=0, outcomes=[completed(job_id, token2)])
+    where = ["--queue", "spend", "--prefix", prefix, "--redis", redis_url]
+    out = (await invoke("show", job.id, *where, env={"COLUMNS": "120"})).stdout
+    assert "220 tokens charged over its attempts" in out, out
+    assert f"{job_id}:1" in out and "120 charged: 100 reserved, 120 reported (failed)" in out
+    assert "100 charged: 100 reserved, not reported (completed)" in out
+    data = json.loads((await invoke("show", job.id, "--json", *where)).stdout)
+    assert data["spent"] == 220 and [a["outcome"] for a in data["attempts_spend"]] == ["failed", "completed"]

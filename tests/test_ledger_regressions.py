@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 
 from sluice import BudgetError, ConfigurationError, JobContext, JobFailed, JobSpec, JobState, Queue, Worker
 from sluice.engine.job import MAX_TOKENS
+from sluice.engine.protocol import LEASED_FIELDS
 from tests.conftest import running
 
 T = 1_800_000_000_000
@@ -168,7 +169,7 @@ async def test_usage_beyond_the_estimate_is_charged_to_the_budget_under_a_full_t
     a = await queue.add("llm", tokens=100, budget="tenant")
     await queue.add("llm", tokens=800)
     reply = await queue.protocol.step(now=T, want=2, lease_ms=10_000, worker_id="w")
-    assert len(reply.jobs) == 18
+    assert len(reply.jobs) == 2 * LEASED_FIELDS
     # When the first job reports 1000 tokens used (900 beyond its estimate)
     done: Any = [(a.id, str(reply.jobs[1]).encode(), b"c", b"1", 0, 1000)]
     assert (
@@ -195,7 +196,7 @@ async def test_a_full_step_wakes_an_idle_worker_to_keep_a_parked_jobs_timer(
     await redis.delete(queue.keys.wake)
     # When a worker with two free slots takes the first and the third (parking the second)
     reply = await queue.protocol.step(now=T, want=2, lease_ms=10_000, worker_id="w")
-    assert len(reply.jobs) == 18 and reply.next_due == T + 2000
+    assert len(reply.jobs) == 2 * LEASED_FIELDS and reply.next_due == T + 2000
     assert (await queue.counts())["parked"] == 1
     # Then an idle worker is woken to learn when the parked job may run: the
     # full worker may have no slot free by then
@@ -261,7 +262,7 @@ async def test_an_unknown_outcome_is_counted_on_a_budget_whose_window_has_turned
     # Given a job holding a reservation on a one-second rolling budget
     await queue.budgets.create("a", 10, window=1, now=T)
     await queue.add("llm", tokens=3, budget="a")
-    assert len((await queue.protocol.step(now=T, want=1, lease_ms=100, worker_id="w")).jobs) == 9
+    assert len((await queue.protocol.step(now=T, want=1, lease_ms=100, worker_id="w")).jobs) == LEASED_FIELDS
     # When its lease is reaped after the charge has left the window
     assert await queue.protocol.reap(now=T + 1000) == (1, 0)
     # Then the budget counts the unknown outcome all the same

@@ -875,7 +875,9 @@ class QueueMachine(RuleBasedStateMachine):
         now = self.clock.now
         named = data.draw(st.booleans(), label="named")
         rids = (
-            data.draw(st.lists(st.sampled_from(RIDS), max_size=3, unique=True), label="ids") if named else []
+            data.draw(st.lists(st.sampled_from(RIDS), min_size=1, max_size=3, unique=True), label="ids")
+            if named
+            else []
         )
         refund = named and data.draw(st.booleans(), label="refund")
         want = self.model.sweep_script(now, "refund" if refund else "unknown", [stored(r) for r in rids])

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from sluice import ConfigurationError, JobContext, JobSpec, Queue, Worker
 from sluice.engine.retention import KINDS, Retention
 from sluice.testing import running_worker
+from tests.stepping import lease_pairs
 
 from .conftest import eventually
 
@@ -26,6 +27,7 @@ DOCUMENTED = {
     "dead": Retention(age=30 * 86_400.0, count=100_000),
     "cancelled": Retention(age=86_400.0, count=100_000),
     "rejected": Retention(age=86_400.0, count=100_000),
+    "exhausted": Retention(age=30 * 86_400.0, count=100_000),
 }
 LEASE_MS = 60_000
 
@@ -40,7 +42,7 @@ async def finish(queue: Queue, specs: list[JobSpec], kind: bytes = b"c") -> list
     leased: list[tuple[str, bytes]] = []
     while len(leased) < len(ids):
         reply = await queue.protocol.step(want=100, lease_ms=LEASE_MS, worker_id="w")
-        leased += [(reply.jobs[i].decode(), reply.jobs[i + 1]) for i in range(0, len(reply.jobs), 9)]
+        leased += lease_pairs(reply.jobs)
     for i in range(0, len(leased), 16):
         outcomes = [(job_id, token, kind, b'"ok"', 0, -1) for job_id, token in leased[i : i + 16]]
         await queue.protocol.step(want=0, lease_ms=LEASE_MS, worker_id="w", outcomes=outcomes)

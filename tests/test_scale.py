@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 
 from sluice import JobSpec, Queue
 from sluice.lab.scale import SlowlogSampler, summarize
+from tests.stepping import lease_pairs
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +39,7 @@ async def park_and_drain(redis: Redis, queue: Queue, n: int) -> dict[str, dict[s
         # Ten tokens come back: ten jobs run, the rest stay parked.
         await b.commit("fill", 990)
         reply = await step(want=100, lease_ms=60_000, worker_id="w")
-        leased = [(reply.jobs[i].decode(), reply.jobs[i + 1]) for i in range(0, len(reply.jobs), 9)]
+        leased = lease_pairs(reply.jobs)
         assert len(leased) == 10
         assert (await queue.counts())["parked"] == n - 10
         # A top-up lets the rest through; each call hands in the last call's completions.
@@ -48,7 +49,7 @@ async def park_and_drain(redis: Redis, queue: Queue, n: int) -> dict[str, dict[s
             outcomes = [(job_id, token, b"c", b"1", 0, -1) for job_id, token in leased]
             reply = await step(want=100, lease_ms=60_000, worker_id="w", outcomes=outcomes)
             done += len(leased)
-            leased = [(reply.jobs[i].decode(), reply.jobs[i + 1]) for i in range(0, len(reply.jobs), 9)]
+            leased = lease_pairs(reply.jobs)
         assert done == n
         counts = await queue.counts()
         assert (counts["completed"], counts["parked"], counts["waiting"]) == (n, 0, 0)

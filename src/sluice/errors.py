@@ -235,6 +235,22 @@ class JobRejected(SluiceError):
         self.reason = reason
 
 
+class JobExhausted(JobRejected):
+    """The job spent tokens in earlier attempts, then its budget refused to run it again.
+
+    A :class:`JobRejected`, so code that handles refusals handles both; apart
+    from it because money was spent (``JobRecord.spent`` says how much).
+    """
+
+    def __init__(self, job_id: str, reason: str) -> None:
+        super().__init__(job_id, reason)
+        self.args = (
+            f"job {job_id!r} spent tokens in earlier attempts, then its budget refused to run it again: "
+            f"{reason}. Credit the budget (queue.budgets.credit) and add the job again, or add jobs "
+            "with on_exhausted='wait' to wait for room.",
+        )
+
+
 class BudgetError(SluiceError):
     """A budget operation cannot be done; the message says what to change."""
 

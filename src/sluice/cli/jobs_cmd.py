@@ -214,4 +214,14 @@ def _ledger(r: JobRecord) -> list[tuple[str, str]]:
         rows.append(("parked on", f"budget {r.parked_on}, until it has room"))
     if r.reservation is not None:
         rows.append(("reservation", r.reservation))
+    if r.attempts_spend or r.spent:
+        rows.append(("spent", f"{r.spent:,} tokens charged over its attempts"))
+    for a in r.attempts_spend:
+        reported = "not reported" if a.reported is None else f"{a.reported:,} reported"
+        rows.append(
+            (
+                f"  {a.reservation}",
+                f"{a.charged:,} charged: {a.estimate:,} reserved, {reported} ({a.outcome})",
+            )
+        )
     return rows

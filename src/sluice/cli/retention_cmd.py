@@ -19,7 +19,8 @@ from sluice.settings import DEFAULT_PREFIX, DEFAULT_QUEUE
 
 retention_app = typer.Typer(
     help=(
-        "How long and how many finished jobs a queue keeps (completed, dead, cancelled, rejected). "
+        "How long and how many finished jobs a queue keeps (completed, dead, cancelled, rejected, "
+        "exhausted). "
         "A setting of the queue, stored in Redis: every client and worker applies the same."
     ),
     no_args_is_help=True,

@@ -41,6 +41,7 @@ COUNTERS = (
     "orphaned",
     "throttled",
     "rejected",
+    "exhausted",
     "unknown_outcome",
     "overrun",
 )
@@ -81,7 +82,8 @@ class QueueAdmin:
         cancelled, released, dead_total, stale_refused (late answers from
         workers that had lost their lease), orphaned (queue entries whose
         record had vanished), throttled (attempts the provider refused),
-        rejected (jobs their budget refused), unknown_outcome (reservations
+        rejected (jobs their budget refused before they spent), exhausted (jobs their
+        budget refused to run again after earlier attempts spent), unknown_outcome (reservations
         kept charged because the attempt's outcome is unknown), overrun
         (attempts stopped hard past their timeout; also counted in failed).
         """

@@ -14,6 +14,10 @@ class JobContext:
     after a lost lease), so a handler can tell a first try from a repeat.
     ``idempotency_key`` is the same for every attempt of the job: pass it to
     a provider that deduplicates requests, since delivery is at-least-once.
+    ``tokens`` is the job's token estimate (what the dispatch reserved for this
+    attempt when the job has a budget or the queue a token-rate limit) and
+    ``budget`` the budget it spends from (None: none): a handler can cap the
+    provider's ``max_tokens`` so that the call cannot cost more than it reserved.
     ``stop_requested`` turns true when the worker wants the attempt to end (its
     timeout, a cancel request, a lost lease, shutdown): an async handler is
     cancelled as well, but a sync one (``def``) runs in a thread that cannot
@@ -22,6 +26,7 @@ class JobContext:
 
     __slots__ = (
         "attempt",
+        "budget",
         "created_ms",
         "epoch",
         "id",
@@ -32,6 +37,7 @@ class JobContext:
         "queue",
         "stop_requested",
         "token",
+        "tokens",
         "usage",
         "worker_id",
     )
@@ -50,6 +56,8 @@ class JobContext:
         *,
         prefix: str = "sluice",
         epoch: str = "",
+        tokens: int = 0,
+        budget: str | None = None,
     ) -> None:
         self.queue = queue
         self.id = job_id
@@ -63,6 +71,10 @@ class JobContext:
         self.prefix = prefix
         #: the queue's epoch when the job was leased (see idempotency_key)
         self.epoch = epoch
+        #: the job's token estimate, reserved for this attempt if it has a budget
+        self.tokens = tokens
+        #: the budget the job spends from, or None
+        self.budget = budget
         #: tokens this attempt used, as reported with record_usage (-1: not reported)
         self.usage = -1
         #: set by the worker (from its event loop) when it wants this attempt to end; a plain

@@ -23,14 +23,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.events")
 
 #: Events after which a job never changes again.
-FINAL_EVENTS = frozenset({b"completed", b"dead", b"cancelled", b"rejected"})
+FINAL_EVENTS = frozenset({b"completed", b"dead", b"cancelled", b"rejected", b"exhausted"})
 
 
 @dataclass(frozen=True, slots=True)
 class Event:
     """One lifecycle event: ``name`` (added, active, completed, failed, retrying,
     dead, stalled, released, cancelled, cancel_requested, redriven, throttled,
-    rejected, parked, unparked), the job id (empty for unparked, which names a budget),
+    rejected, exhausted, parked, unparked, overspent), the job id (empty for unparked, which names a budget),
     the stream id (which starts with the Unix ms it was written) and extra fields."""
 
     stream_id: str

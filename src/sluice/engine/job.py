@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from sluice.engine.backoff import DEFAULT_BACKOFF, Backoff
 from sluice.engine.codec import JSONValue, decode
@@ -37,15 +40,20 @@ class JobState(enum.StrEnum):
     COMPLETED = "completed"
     DEAD = "dead"
     CANCELLED = "cancelled"
-    #: its budget could not admit it and its policy was on_exhausted="reject"
+    #: its budget could not admit it and its policy was on_exhausted="reject"; it never spent
     REJECTED = "rejected"
+    #: it spent tokens in earlier attempts (which failed, were throttled or lost), then its
+    #: budget refused to run it again (on_exhausted="reject"); ``JobRecord.spent`` says how many
+    EXHAUSTED = "exhausted"
 
     @property
     def finished(self) -> bool:
         return self in _TERMINAL
 
 
-_TERMINAL = frozenset({JobState.COMPLETED, JobState.DEAD, JobState.CANCELLED, JobState.REJECTED})
+_TERMINAL = frozenset(
+    {JobState.COMPLETED, JobState.DEAD, JobState.CANCELLED, JobState.REJECTED, JobState.EXHAUSTED}
+)
 
 
 def _seconds(what: str, value: object, *, allow_zero: bool) -> float:
@@ -135,6 +143,36 @@ class JobSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class AttemptSpend:
+    """What one attempt's token reservation charged, as the job record lists it."""
+
+    #: the reservation id (``Budgets.reservation`` reads it while it is kept)
+    reservation: str
+    #: tokens reserved at dispatch (the job's estimate)
+    estimate: int
+    #: tokens the handler reported (None: it did not report)
+    reported: int | None
+    #: tokens charged in the end: the report, the estimate kept, or 0 if refunded
+    charged: int
+    #: how the attempt ended: completed, failed, timed out, released, cancelled, throttled,
+    #: or lease lost (its worker died)
+    outcome: str
+
+
+def _spend_list(job_id: str, raw: bytes | None) -> tuple[AttemptSpend, ...]:
+    if raw is None:
+        return ()
+    try:
+        items = orjson.loads(raw)
+        return tuple(
+            AttemptSpend(str(r), int(e), None if int(u) < 0 else int(u), int(c), str(o))
+            for r, e, u, c, o in items
+        )
+    except (ValueError, TypeError) as exc:
+        raise CorruptJobError(job_id, f"field 'spend' is not a list of attempts ({exc})") from None
+
+
+@dataclass(frozen=True, slots=True)
 class JobRecord:
     """A job as stored in Redis, parsed and checked. Times are Unix milliseconds."""
 
@@ -168,6 +206,10 @@ class JobRecord:
     reservation: str | None = None
     #: the budget a parked job waits for
     parked_on: str | None = None
+    #: tokens its attempts' reservations charged in all (money spent on it)
+    spent: int = 0
+    #: what each attempt's reservation charged, oldest first (the last 20 attempts)
+    attempts_spend: tuple[AttemptSpend, ...] = ()
 
     @classmethod
     def from_hash(cls, job_id: str, raw: dict[bytes, bytes], idem_prefix: str = "") -> JobRecord:
@@ -242,6 +284,8 @@ class JobRecord:
             usage=num("usage", optional=True),
             reservation=h["rid"].decode() if "rid" in h else None,
             parked_on=h["parked"].decode() if "parked" in h else None,
+            spent=num("spent", optional=True) or 0,
+            attempts_spend=_spend_list(job_id, h.get("spend")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -270,4 +314,6 @@ class JobRecord:
             "usage": self.usage,
             "reservation": self.reservation,
             "parked_on": self.parked_on,
+            "spent": self.spent,
+            "attempts_spend": [dataclasses.asdict(a) for a in self.attempts_spend],
         }

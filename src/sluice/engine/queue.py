@@ -32,6 +32,7 @@ from sluice.errors import (
     BudgetNotFound,
     InvalidJobError,
     JobCancelled,
+    JobExhausted,
     JobFailed,
     JobNotFound,
     JobRejected,
@@ -84,7 +85,8 @@ class Job:
         """Wait for the job to finish and return its result, without polling.
 
         Raises JobFailed if it was dead-lettered, JobCancelled if cancelled,
-        JobRejected if its budget refused it,
+        JobRejected if its budget refused it (JobExhausted, a JobRejected, if
+        it had spent in earlier attempts),
         ResultTimeout after ``timeout`` seconds (the job itself goes on).
         """
         return await self.queue.wait_result(self.id, timeout)
@@ -380,6 +382,8 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
             raise JobCancelled(job_id)
         if state == b"rejected":
             raise JobRejected(job_id, (error or b"").decode())
+        if state == b"exhausted":
+            raise JobExhausted(job_id, (error or b"").decode())
         return False, None
 
     def _result_waiter(self) -> ResultWaiter:

@@ -12,6 +12,7 @@ completed  1 day      1,000,000
 dead       30 days    100,000
 cancelled  1 day      100,000
 rejected   1 day      100,000
+exhausted  30 days    100,000
 =========  =========  =========
 
 A job's record expires with its kind's age (Redis drops it even when no
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from sluice.engine.scripts import Scripts
 
 #: The kinds of ending that are kept, in the order the settings are listed.
-KINDS: Final = ("completed", "dead", "cancelled", "rejected")
+KINDS: Final = ("completed", "dead", "cancelled", "rejected", "exhausted")
 #: The longest age accepted (a year): PEXPIRE's limit is far above, a typo is not.
 MAX_AGE_S: Final = 366 * 86_400.0
 #: A count of this many or more is a mistake rather than a limit.
@@ -138,7 +139,7 @@ class QueueRetention:
         """Set how long (``age``, seconds) and how many (``count``) jobs that ended as ``kind``
         the queue keeps; None lifts that limit, and a limit not given stays as it is.
 
-        ``kind``: completed, dead, cancelled or rejected. Returns the kind's
+        ``kind``: completed, dead, cancelled, rejected or exhausted. Returns the kind's
         limits now. Workers apply a lower limit to the jobs kept already
         within a few seconds (their trim step runs with the reaper).
         """

@@ -558,6 +558,8 @@ class Runner:
                 f[1],
                 prefix=self.queue.prefix,
                 epoch=self.epoch,
+                tokens=int(f[9]),
+                budget=f[10].decode() or None,
             )
         except (ValueError, TypeError, AttributeError) as exc:
             # A record this version cannot read: dead-letter it with the reason

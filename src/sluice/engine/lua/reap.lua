@@ -30,10 +30,12 @@ for i = 1, #expired do
   local id = expired[i]
   local jk = KEYS[7] .. id
   redis.call('ZREM', KEYS[1], id)
-  local f = redis.call('HMGET', jk, 'score', 'max_stalls', 'worker', 'stalls', 'cancel', 'rid')
-  if f[6] then
+  local f = redis.call('HMGET', jk, 'score', 'max_stalls', 'worker', 'stalls', 'cancel', 'rid', 'token')
+  -- ('rid' names the last attempt that reserved: not this one, if this one did not)
+  if f[6] and f[6] == id .. ':' .. (f[7] or '') then
     local _, changed = settle(K, f[6], 'unknown', -1, now, reservation_keep_ms(K))
     if changed then unknown = unknown + 1 end
+    record_spend(K, jk, f[6], 'lease lost', -1)
   end
   if f[1] then
     local stalls = (tonumber(f[4]) or 0) + 1

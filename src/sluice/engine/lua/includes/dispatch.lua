@@ -16,8 +16,9 @@
 --   considered; a queue-wide gate stops the step (strict priority order).
 --   At most EXAMINE_MAX jobs are looked at; a call stopped there with jobs
 --   still waiting answers wait = now (come back at once).
---   Appends 9 values per job to `out`:
---     id, token, name, payload, attempt, max_attempts, timeout_ms, backoff, created
+--   Appends 11 values per job to `out`:
+--     id, token, name, payload, attempt, max_attempts, timeout_ms, backoff, created,
+--     tokens (the estimate), budget ('' if none)
 --   `wait` is 0 when nothing refused, else as for queue_wait.
 -- next_due(K, wait): the earliest time something may become runnable without
 --   any other event: a delayed job, a parked budget's retry time, or `wait`.
@@ -171,7 +172,18 @@ local function queue_wait(K, G, now)
   return 0
 end
 
+-- A job refused before it ever spent ends 'rejected'; one whose earlier
+-- attempts spent tokens (then failed, were throttled or lost) ends
+-- 'exhausted': its budget refused to run it again.
 local function reject_job(K, jk, id, reason, now, C)
+  local spent = tonumber(redis.call('HGET', jk, 'spent')) or 0
+  if spent > 0 then
+    redis.call('HSET', jk, 'state', 'exhausted', 'finished', now, 'error', reason)
+    retain(K, 'exhausted', jk, id, now)
+    C.exhausted = C.exhausted + 1
+    emit(K.events, K.maxlen, 'exhausted', id, 'reason', reason, 'spent', spent)
+    return
+  end
   redis.call('HSET', jk, 'state', 'rejected', 'finished', now, 'error', reason)
   retain(K, 'rejected', jk, id, now)
   C.rejected = C.rejected + 1
@@ -316,6 +328,8 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
           out[n + 7] = f[4]
           out[n + 8] = f[5]
           out[n + 9] = f[6]
+          out[n + 10] = math.max(math.floor(tonumber(f[9]) or 0), 0)
+          out[n + 11] = f[10] or ''
           taken = taken + 1
         end
       end

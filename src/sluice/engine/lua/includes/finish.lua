@@ -33,9 +33,14 @@
 -- down). Without a report: a completion keeps its estimate, a throttle is
 -- refunded (the provider refused the call), anything else keeps the estimate
 -- as an unknown outcome.
-local function settle_attempt(K, jk, id, rid, kind, usage, now, C)
+-- The outcome of an attempt as the job record's spend list names it, by kind.
+local OUTCOMES = {c = 'completed', f = 'failed', p = 'failed', o = 'timed out', r = 'released',
+                  x = 'cancelled', t = 'throttled'}
+
+local function settle_attempt(K, jk, id, token, rid, kind, usage, now, C)
   if usage >= 0 then redis.call('HSET', jk, 'usage', usage) end
-  if not rid then return end
+  -- ('rid' names the last attempt that reserved: not this one, if this one did not)
+  if rid ~= id .. ':' .. token then return end
   local how = 'commit'
   if usage < 0 and kind == 't' then
     how = 'refund'
@@ -45,6 +50,7 @@ local function settle_attempt(K, jk, id, rid, kind, usage, now, C)
   local _, changed, _, crossed = settle(K, rid, how, usage, now, reservation_keep_ms(K))
   if changed and how == 'unknown' then C.unknown_outcome = C.unknown_outcome + 1 end
   emit_overspent(K, crossed, id, rid)
+  record_spend(K, jk, rid, OUTCOMES[kind] or kind, usage)
 end
 
 local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C)
@@ -56,13 +62,13 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C
     return 0
   end
   redis.call('ZREM', K.active, id)
+  settle_attempt(K, jk, id, token, cur[8], kind, usage, now, C)
   if kind == 'o' then
     -- Overran its timeout and was stopped hard (its process ended): a failure,
     -- counted apart so that an operator sees it without reading errors.
     C.overrun = C.overrun + 1
     kind = 'f'
   end
-  settle_attempt(K, jk, id, cur[8], kind, usage, now, C)
   -- A record whose numbers do not parse (damaged by another writer) must not
   -- fail the whole batch: missing numbers count as 0, a missing score dead-letters.
   local attempt = tonumber(cur[3]) or 0
@@ -131,7 +137,7 @@ end
 
 local function new_counts()
   return {completed = 0, failed = 0, dead = 0, retried = 0, released = 0, cancelled = 0,
-          stale_refused = 0, throttled = 0, rejected = 0, orphaned = 0, unknown_outcome = 0,
+          stale_refused = 0, throttled = 0, rejected = 0, exhausted = 0, orphaned = 0, unknown_outcome = 0,
           overrun = 0}
 end
 

@@ -289,6 +289,28 @@ local function settle(K, rid, how, actual, now, keep_ms)
   return state, true, freed, crossed
 end
 
+-- Attempts whose spend a job record lists (the older ones are summed in 'spent' only).
+local SPEND_KEEP = 20
+
+-- Records on job record `jk` what attempt reservation `rid` charged once it is
+-- settled: 'spend' lists the last SPEND_KEEP attempts as JSON
+-- [reservation, estimate, reported usage (-1: none), charged, outcome], and
+-- 'spent' sums the charges of every attempt. A list that does not parse
+-- (written by hand) starts again rather than fail the call.
+local function record_spend(K, jk, rid, outcome, usage)
+  local r = redis.call('HMGET', K.resvp .. rid, 'est', 'amt')
+  local amt = tonumber(r[2]) or 0
+  local f = redis.call('HMGET', jk, 'spend', 'spent')
+  local list = {}
+  if f[1] then
+    local ok, v = pcall(cjson.decode, f[1])
+    if ok and type(v) == 'table' then list = v end
+  end
+  list[#list + 1] = {rid, tonumber(r[1]) or 0, usage, amt, outcome}
+  while #list > SPEND_KEEP do table.remove(list, 1) end
+  redis.call('HSET', jk, 'spend', cjson.encode(list), 'spent', (tonumber(f[2]) or 0) + amt)
+end
+
 -- Callers' holds whose time ran out (their caller crashed, or forgot them),
 -- at most `max`, oldest first, settled as unknown outcomes: the charge stays
 -- (the provider may have been called) and each budget counts it. Returns

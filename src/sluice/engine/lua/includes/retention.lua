@@ -3,7 +3,7 @@
 --
 -- A finished job lands in the index of its kind (a sorted set scored by the
 -- time it finished: finished:completed, finished:cancelled,
--- finished:rejected; dead-lettered jobs in the dead set) and its record
+-- finished:rejected, finished:exhausted; dead-lettered jobs in the dead set) and its record
 -- expires after the kind's age. Count caps, and the index entries of records
 -- that expired, are trimmed by trim.lua in bounded steps.
 --
@@ -14,12 +14,13 @@
 --
 -- K needs: retention (hash), finp (prefix of the finished:<kind> sets), dead.
 
-local RETENTION_KINDS = {'completed', 'dead', 'cancelled', 'rejected'}
+local RETENTION_KINDS = {'completed', 'dead', 'cancelled', 'rejected', 'exhausted'}
 local RETENTION_DEFAULTS = {
   completed = {age = 86400000, count = 1000000},
   dead = {age = 30 * 86400000, count = 100000},
   cancelled = {age = 86400000, count = 100000},
   rejected = {age = 86400000, count = 100000},
+  exhausted = {age = 30 * 86400000, count = 100000},
 }
 
 -- The queue's retention (read once per script call).
