@@ -681,7 +681,7 @@ class Model:
             job.rid = attempt_id
         if self.control.rate_max is not None:
             self.starts[attempt_id] = now
-        self._emit("active", job.id, "worker", worker)
+        self._emit("active", job.id, "worker", worker, "attempt", job.attempt, "token", job.token)
         s = job.spec
         return LeasedJob(
             job.id.encode(),

@@ -53,6 +53,7 @@ DEFAULT_HOME = ".sluice"
 
 # ---- environment variables ---------------------------------------------------------------------------
 ENV_REDIS_URL = "SLUICE_REDIS_URL"
+ENV_DATABASE_URL = "SLUICE_DATABASE_URL"
 ENV_HOME = "SLUICE_HOME"
 ENV_REDIS_SERVER = "SLUICE_REDIS_SERVER"
 ENV_LOG_LEVEL = "SLUICE_LOG_LEVEL"

@@ -23,6 +23,7 @@ from sluice.cli import (
     memory_cmd,  # noqa: F401  (importing it registers `sluice bench memory`)
     redis_cmd,
     retention_cmd,
+    serve_cmd,
     worker_cmd,
 )
 from sluice.cli.errors import SluiceGroup
@@ -92,6 +93,7 @@ for name, fn in (
     ("enqueue", enqueue_cmd.enqueue),
     ("worker", worker_cmd.worker),
     ("demo", demo.demo),
+    ("serve", serve_cmd.serve),
 ):
     app.command(name, cls=SluiceCommand)(fn)
 app.add_typer(dlq_cmd.dlq_app, name="dlq")
@@ -99,6 +101,7 @@ app.add_typer(budget_cmd.budget_app, name="budget")
 app.add_typer(flow_cmd.flow_app, name="flow")
 app.add_typer(redis_cmd.redis_app, name="redis")
 app.add_typer(retention_cmd.retention_app, name="retention")
+app.add_typer(serve_cmd.keys_app, name="keys")
 app.add_typer(bench_cmd.bench_app, name="bench")  # with `lab` and `goodput`, registered by their modules
 _ = lab_cmd, goodput_cmd
 

@@ -19,6 +19,19 @@ random key prefix (``sluice_prefix``), so tests share the server without
 seeing each other's keys and need no FLUSHALL. Sluice's own suite uses these
 fixtures, with the server fixture overridden to run on every Redis version
 it supports.
+
+For code that uses PostgreSQL (the ``service`` extra)::
+
+    async def test_store(sluice_database_url: str) -> None:
+        engine = create_async_engine(sluice_database_url)  # postgresql+asyncpg://...
+
+``sluice_postgres_server`` is one PostgreSQL 16 (with pgvector) for the
+session, on a free loopback port, without fsync, stopped at the end; every
+test asking for ``sluice_database_url`` gets a database of its own, created
+empty for it (``CREATE DATABASE``: tens of milliseconds) and dropped after
+it, so tests need no cleanup and cannot see each other's tables.
+``asyncpg_dsn()`` of :mod:`sluice.testing.postgres` turns the URL into what
+asyncpg takes.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from collections.abc import Iterator
 import pytest
 
 from sluice.testing.embedded import EmbeddedRedis, find_binary
+from sluice.testing.postgres import EmbeddedPostgres
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +64,21 @@ def sluice_redis_url(sluice_redis_server: EmbeddedRedis) -> str:
 def sluice_prefix() -> str:
     """A random key prefix for this test (pass it as ``prefix=`` to Queue and Worker)."""
     return "t" + secrets.token_hex(5)
+
+
+@pytest.fixture(scope="session")
+def sluice_postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostgres]:
+    """A private PostgreSQL 16 with pgvector for the session (pgserver's binaries: the ``service`` extra)."""
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("postgres"), port=0, durable=False)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def sluice_database_url(sluice_postgres_server: EmbeddedPostgres) -> Iterator[str]:
+    """postgresql+asyncpg://postgres@127.0.0.1:<port>/<db> of an empty database for this test alone."""
+    name = "t" + secrets.token_hex(6)
+    url = sluice_postgres_server.create_database(name)
+    yield url
+    sluice_postgres_server.drop_database(name)

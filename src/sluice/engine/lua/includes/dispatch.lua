@@ -317,7 +317,7 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
             redis.call('ZADD', K.starts, now, id .. ':' .. token)
             G.starts = G.starts + 1
           end
-          emit(K.events, K.maxlen, 'active', id, 'worker', worker)
+          emit(K.events, K.maxlen, 'active', id, 'worker', worker, 'attempt', attempt, 'token', token)
           local n = #out
           out[n + 1] = id
           out[n + 2] = token

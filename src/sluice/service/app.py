@@ -1,0 +1,115 @@
+"""The FastAPI application: ``create_app(settings)``.
+
+At start it connects to Redis and PostgreSQL, applies the store's missing
+migrations, and (unless ``sink=False``) runs the transition sink and the
+reconciler beside the routes, so one ``sluice serve`` process is a complete
+service. Several API processes may run at once: they share the sink's
+consumer group and the migrations' lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from sluice.engine.queue import Queue
+from sluice.service import errors
+from sluice.service.config import ServiceSettings
+from sluice.service.context import Services, ServicesDep
+from sluice.service.middleware import BodyLimit, RequestId
+from sluice.service.routes_compat import router as compat_router
+from sluice.service.routes_v1 import router as v1_router
+from sluice.service.submit import enqueue
+from sluice.store.database import Database
+from sluice.store.jobs import JobStore
+from sluice.store.keys import KeyStore
+from sluice.store.reconcile import Reconciler
+from sluice.store.sink import TransitionSink
+
+VERSION = "0.1.0"
+
+
+def create_app(settings: ServiceSettings) -> FastAPI:
+    """The service; it connects when it starts (ASGI lifespan) and closes when it stops."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        queue = Queue.from_url(
+            settings.redis_url, settings.queue, prefix=settings.prefix, events_maxlen=settings.events_maxlen
+        )
+        db = Database(settings.database_url)
+        stop = asyncio.Event()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await db.migrate()
+            store = JobStore(db)
+            app.state.services = Services(settings, queue, db, store, KeyStore(db))
+            if settings.sink:
+                consumer = f"{socket.gethostname()}:{os.getpid()}"
+                sink = TransitionSink(queue, db, consumer=consumer)
+                reconciler = Reconciler(
+                    queue,
+                    store,
+                    enqueue,
+                    grace=settings.reconcile_grace,
+                    interval=settings.reconcile_interval,
+                )
+                tasks = [
+                    asyncio.create_task(sink.run(stop), name="sluice-sink"),
+                    asyncio.create_task(reconciler.run(stop), name="sluice-reconciler"),
+                ]
+            yield
+        finally:
+            stop.set()
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            app.state.services = None
+            await queue.close()
+            await db.close()
+
+    app = FastAPI(
+        title="Sluice",
+        version=VERSION,
+        description="A budget-aware job queue for LLM workloads: jobs, budgets and queues over HTTP.",
+        lifespan=lifespan,
+        responses={413: {"description": "body too large"}},
+    )
+    errors.install(app)
+    app.include_router(v1_router)
+    app.include_router(compat_router)
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """The process is up (it answers); says nothing of Redis or PostgreSQL."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], responses={503: {"description": "a dependency is unreachable"}})
+    async def readyz(svc: ServicesDep) -> Any:
+        """Redis and PostgreSQL both answer: ready for traffic."""
+        checks: dict[str, str] = {}
+        for name, probe in (("redis", svc.queue.redis.ping()), ("postgres", svc.db.ping())):
+            try:
+                async with asyncio.timeout(2):
+                    await probe
+                checks[name] = "ok"
+            except Exception as exc:  # noqa: BLE001 - reported, not raised: that is the answer
+                checks[name] = f"unreachable: {type(exc).__name__}"
+        ready = all(v == "ok" for v in checks.values())
+        return JSONResponse(
+            {"status": "ready" if ready else "not ready", "checks": checks}, 200 if ready else 503
+        )
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestId)
+    app.state.services = None
+    return app

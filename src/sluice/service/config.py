@@ -1,0 +1,35 @@
+"""The service's settings, read from the environment once, at start (pydantic-settings).
+
+Only the entry points read the environment (docs/architecture.md, "Settings");
+``create_app`` takes a :class:`ServiceSettings`, so tests and embedding
+programs pass their own.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sluice.settings import DEFAULT_PREFIX
+
+
+class ServiceSettings(BaseSettings):
+    """``SLUICE_*`` variables of ``sluice serve`` and ``sluice dev``."""
+
+    model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore", frozen=True)
+
+    redis_url: str = Field(description="Redis (or Redis Cluster) URL")
+    database_url: str = Field(description="PostgreSQL URL of the system of record")
+    prefix: str = Field(DEFAULT_PREFIX, description="Redis key prefix")
+    queue: str = Field("jobs", description="The engine queue that API jobs go to")
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body accepted (413 beyond)")
+    #: The engine events stream's length in service mode: the sink must read an event before
+    #: the stream's trimming passes it (the reconciler catches up on what it missed).
+    events_maxlen: int = Field(500_000, ge=10_000)
+    #: Run the transition sink and the reconciler in this process.
+    sink: bool = True
+    #: Seconds a QUEUED job may be missing from Redis before the reconciler enqueues it again.
+    reconcile_grace: float = Field(30.0, gt=0)
+    reconcile_interval: float = Field(10.0, gt=0)
+    #: Without authentication (``sluice dev`` only): every caller is the default tenant's admin.
+    no_auth: bool = False

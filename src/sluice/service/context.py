@@ -1,0 +1,98 @@
+"""What every route needs: the engine queue, the store, the caller; as FastAPI dependencies."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends, Request
+
+from sluice.service.errors import ApiError
+from sluice.store.keys import ApiKey, KeyStore, digest
+
+if TYPE_CHECKING:
+    from sluice.engine.queue import Queue
+    from sluice.service.config import ServiceSettings
+    from sluice.store.database import Database
+    from sluice.store.jobs import JobStore
+
+#: The tenant of every caller when the service runs without authentication (``sluice dev``).
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class Services:
+    """The service's parts, made once at start (``create_app``'s lifespan)."""
+
+    settings: ServiceSettings
+    queue: Queue
+    db: Database
+    store: JobStore
+    keys: KeyStore
+    #: digest -> (key or None, when the answer was read): a revoked key works for at most
+    #: KEY_CACHE_SECONDS more, and a request costs no database read
+    key_cache: dict[str, tuple[ApiKey | None, float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is calling: the tenant whose jobs they see, and whether they may administer."""
+
+    tenant: str
+    admin: bool
+
+
+def services(request: Request) -> Services:
+    found: Services | None = getattr(request.app.state, "services", None)
+    if found is None:
+        raise ApiError(503, "the service is starting; try again shortly")
+    return found
+
+
+#: How long a key's lookup is remembered.
+KEY_CACHE_SECONDS = 30.0
+_KEY_CACHE_MAX = 10_000
+
+
+def _presented_key(request: Request) -> str | None:
+    auth = request.headers.get("authorization")
+    if auth is not None:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+    return request.headers.get("x-api-key")
+
+
+async def caller(request: Request, svc: Annotated[Services, Depends(services)]) -> Caller:
+    """The caller, from ``Authorization: Bearer <key>`` (or ``X-API-Key``); 401 without a
+    live key. Without authentication (``sluice dev``), the default tenant's admin."""
+    if svc.settings.no_auth:
+        return Caller(DEFAULT_TENANT, admin=True)
+    key = _presented_key(request)
+    if not key:
+        raise ApiError(401, "send an API key: Authorization: Bearer <key> (make one with sluice keys create)")
+    now = time.monotonic()
+    hashed = digest(key)
+    cached = svc.key_cache.get(hashed)
+    if cached is not None and now - cached[1] < KEY_CACHE_SECONDS:
+        found = cached[0]
+    else:
+        found = await svc.keys.lookup(key)
+        if len(svc.key_cache) >= _KEY_CACHE_MAX:
+            svc.key_cache.clear()
+        svc.key_cache[hashed] = (found, now)
+    if found is None:
+        raise ApiError(401, "this API key is unknown or revoked")
+    return Caller(found.tenant, admin=found.admin)
+
+
+async def admin(who: Annotated[Caller, Depends(caller)]) -> Caller:
+    if not who.admin:
+        raise ApiError(403, "this needs an admin key (sluice keys create --tenant T --admin)")
+    return who
+
+
+ServicesDep = Annotated[Services, Depends(services)]
+CallerDep = Annotated[Caller, Depends(caller)]
+AdminDep = Annotated[Caller, Depends(admin)]

@@ -1,0 +1,173 @@
+"""The reconciler: the store and Redis brought back into agreement.
+
+The store is the source of truth for which jobs exist. Two things can leave
+a job the store holds as unfinished unknown to Redis: a crash of the API
+between writing the row and enqueueing it, and a Redis that lost its data
+(restarted without persistence, flushed, failed over to an empty replica).
+Each pass pages through the unfinished jobs not updated for ``grace`` seconds
+and looks each up in Redis by its engine id:
+
+* the engine holds it (its record names ``job:<uuid>``): nothing to do, or,
+  if the engine has finished it and the store missed the events (the stream
+  was trimmed past them), the store takes the engine's final state;
+* the engine does not: it is enqueued again, under the same engine
+  idempotency key, so a racing API cannot make two. Delivery is at least
+  once: a job whose run Redis forgot may run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import update
+
+from sluice.store.schema import JobRow
+from sluice.store.sink import engine_key
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from sluice.engine.job import JobRecord
+    from sluice.engine.queue import Queue
+    from sluice.store.jobs import JobStore, StoredJob
+
+log = logging.getLogger("sluice.store.reconcile")
+
+#: Store status of an engine state that is final.
+FINAL_STATUS = {
+    "completed": "COMPLETED",
+    "dead": "DEAD_LETTER",
+    "cancelled": "CANCELLED",
+    "rejected": "REJECTED",
+    "exhausted": "EXHAUSTED",
+}
+PAGE = 500
+
+
+@dataclass
+class Pass:
+    """What one pass did."""
+
+    looked: int = 0
+    enqueued: int = 0
+    finished: int = 0
+
+
+class Reconciler:
+    """``run()`` every ``interval`` seconds until stopped; ``reconcile()`` once (tests)."""
+
+    def __init__(
+        self,
+        queue: Queue,
+        store: JobStore,
+        enqueue: Callable[[Queue, StoredJob], Awaitable[str]],
+        *,
+        grace: float = 30.0,
+        interval: float = 10.0,
+    ) -> None:
+        self.queue = queue
+        self.store = store
+        self.enqueue = enqueue
+        self.grace = grace
+        self.interval = interval
+        self._epoch: bytes | None = None
+        self._cursor: tuple[datetime, uuid.UUID] | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                done = await self.reconcile()
+                if done.enqueued or done.finished:
+                    log.warning(
+                        "reconciler: %d jobs enqueued again (Redis did not know them), %d finished from "
+                        "the engine's records (their events were missed)",
+                        done.enqueued,
+                        done.finished,
+                        extra={"enqueued": done.enqueued, "finished": done.finished},
+                    )
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # an outage of either server: the next pass tries again
+                log.exception("reconciler: a pass failed; the next one tries again")
+            try:
+                async with asyncio.timeout(self.interval):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+
+    async def reconcile(self, *, now: datetime | None = None, full: bool = False) -> Pass:
+        """One pass: the jobs no event has named yet (never enqueued, or the sink is behind),
+        then a page of the rest, continuing where the last pass stopped; every page of the rest
+        when Redis's epoch changed (it lost its data) or ``full``."""
+        older_than = (now or datetime.now(UTC)) - timedelta(seconds=self.grace)
+        done = Pass()
+        await self._sweep(done, older_than, unseen_only=True, pages=None)
+        epoch: Any = await self.queue.redis.get(self.queue.keys.epoch)
+        if full or (self._epoch is not None and epoch != self._epoch):
+            self._cursor = None
+            await self._sweep(done, older_than, unseen_only=False, pages=None)
+        else:
+            self._cursor = await self._sweep(done, older_than, unseen_only=False, pages=1, after=self._cursor)
+        self._epoch = epoch
+        return done
+
+    async def _sweep(
+        self,
+        done: Pass,
+        older_than: datetime,
+        *,
+        unseen_only: bool,
+        pages: int | None,
+        after: tuple[datetime, uuid.UUID] | None = None,
+    ) -> tuple[datetime, uuid.UUID] | None:
+        """Pages of unfinished jobs checked against Redis; returns where to go on (None: the end)."""
+        while pages is None or pages > 0:
+            jobs = await self.store.unfinished(
+                self.queue.name, older_than=older_than, after=after, limit=PAGE, unseen_only=unseen_only
+            )
+            if not jobs:
+                return None
+            done.looked += len(jobs)
+            known = await self.queue.get_jobs([str(j.engine_id) for j in jobs if j.engine_id is not None])
+            records = {r.id: r for r in known if r is not None}
+            for job in jobs:
+                record = records.get(str(job.engine_id)) if job.engine_id is not None else None
+                if record is not None and record.idempotency_key == engine_key(job.id):
+                    if await self._finish_from(job, record):
+                        done.finished += 1
+                    continue
+                engine_id = await self.enqueue(self.queue, job)
+                await self._mark_enqueued(job, int(engine_id))
+                done.enqueued += 1
+            after = (jobs[-1].updated_at, jobs[-1].id)
+            if pages is not None:
+                pages -= 1
+        return after
+
+    async def _finish_from(self, job: StoredJob, record: JobRecord) -> bool:
+        status = FINAL_STATUS.get(record.state.value)
+        if status is None:
+            return False
+        values = {"status": status, "attempts": record.attempt, "updated_at": datetime.now(UTC)}
+        if status == "COMPLETED":
+            values["result"] = record.result
+            if record.finished_ms is not None:
+                values["completed_at"] = datetime.fromtimestamp(record.finished_ms / 1000, UTC)
+        if record.error is not None:
+            values["error"] = record.error
+        async with self.store.db.sessions() as session, session.begin():
+            await session.execute(update(JobRow).where(JobRow.id == job.id).values(**values))
+        return True
+
+    async def _mark_enqueued(self, job: StoredJob, engine_id: int) -> None:
+        async with self.store.db.sessions() as session, session.begin():
+            await session.execute(
+                update(JobRow)
+                .where(JobRow.id == job.id)
+                .values(engine_id=engine_id, status="QUEUED", updated_at=datetime.now(UTC))
+            )

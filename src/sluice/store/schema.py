@@ -1,0 +1,141 @@
+"""The tables of the system of record, as SQLAlchemy 2 models.
+
+The store holds what must outlive Redis: every job the API accepted, every
+attempt a worker made, the idempotency keys, and (later) the ledger's copy.
+Redis stays the engine; rows here are written by the API (a job, before it is
+enqueued) and by the transition sink (what the engine did, from its events
+stream), so a job's row may trail Redis by a batch but never loses a step.
+
+Schema changes are Alembic migrations (``store/migrations``); these models
+are what the migrations build, and a test compares the two.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    Numeric,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+#: Constraint names spelled out, so that migrations and models name them alike.
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class JobRow(Base):
+    """One job the service accepted.
+
+    ``status`` is the API's view (QUEUED, PROCESSING, COMPLETED, FAILED,
+    DEAD_LETTER, CANCELLED, REJECTED, EXHAUSTED, PARKED); ``engine_id`` the
+    engine's id of it in ``queue`` (set by the sink from the first event, or by
+    the reconciler when it enqueues again). ``ev_ms``/``ev_seq`` is the last
+    event applied (its stream id): the sink applies an event only if it is
+    newer, so redelivered or reordered batches cannot move a job backwards.
+    """
+
+    __tablename__ = "jobs"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    tenant: Mapped[str] = mapped_column(Text, nullable=False)
+    queue: Mapped[str] = mapped_column(Text, nullable=False)
+    engine_id: Mapped[int | None] = mapped_column(BigInteger)
+    epoch: Mapped[str | None] = mapped_column(Text)
+    type: Mapped[str] = mapped_column(Text, nullable=False)
+    status: Mapped[str] = mapped_column(Text, nullable=False)
+    priority: Mapped[int] = mapped_column(Integer, nullable=False)
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    max_attempts: Mapped[int] = mapped_column(Integer, nullable=False)
+    payload: Mapped[Any] = mapped_column(JSONB, nullable=False)
+    result: Mapped[Any | None] = mapped_column(JSONB)
+    error: Mapped[str | None] = mapped_column(Text)
+    idempotency_key: Mapped[str | None] = mapped_column(Text)
+    correlation_id: Mapped[str | None] = mapped_column(Text)
+    tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    budget: Mapped[str | None] = mapped_column(Text)
+    spent: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    cost: Mapped[float | None] = mapped_column(Numeric(18, 8))
+    delay_ms: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    backoff: Mapped[Any] = mapped_column(JSONB, nullable=False)
+    ev_ms: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    ev_seq: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    processed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        # One job per key and tenant: concurrent duplicates all receive the winner.
+        UniqueConstraint("tenant", "idempotency_key"),
+        # Not unique: engine ids start again from 1 when Redis loses its data.
+        Index("ix_jobs_queue_engine_id", "queue", "engine_id"),
+        # The list queries: a tenant's jobs newest first, by status or by type.
+        Index("ix_jobs_tenant_created", "tenant", text("created_at DESC"), text("id DESC")),
+        Index("ix_jobs_tenant_status_created", "tenant", "status", text("created_at DESC"), text("id DESC")),
+        Index("ix_jobs_tenant_type_created", "tenant", "type", text("created_at DESC"), text("id DESC")),
+        # The reconciler's question: which jobs does the store think are not finished?
+        Index(
+            "ix_jobs_unfinished",
+            "queue",
+            "updated_at",
+            postgresql_where=text("status IN ('QUEUED', 'PROCESSING', 'FAILED', 'PARKED')"),
+        ),
+    )
+
+
+class AttemptRow(Base):
+    """One attempt of a job: a lease (``token`` grows with every lease, ``attempt`` is what the
+    handler saw), its worker, when it started and ended, and how."""
+
+    __tablename__ = "job_attempts"
+
+    job_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    token: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False)
+    worker: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    #: completed, failed, retrying, dead, throttled, released, stalled, cancelled
+    outcome: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class ApiKeyRow(Base):
+    """An API key: only its SHA-256 is stored (keys are 256 random bits, so a fast hash is
+    enough: there is nothing to guess). ``prefix`` is the start of the key, shown in lists so
+    that an operator can tell keys apart without seeing them."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    tenant: Mapped[str] = mapped_column(Text, nullable=False)
+    admin: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    name: Mapped[str | None] = mapped_column(Text)
+    prefix: Mapped[str] = mapped_column(Text, nullable=False)
+    digest: Mapped[str] = mapped_column(Text, nullable=False, unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -1,0 +1,275 @@
+"""The HTTP API end to end: real Redis, a real PostgreSQL database per test, a real worker.
+
+Routes are called through httpx on the ASGI app (its lifespan runs: it
+connects and migrates); the transition sink is stepped by the test, so each
+check sees exactly what the events carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from sluice.service.handlers import service_worker
+from tests.conftest import eventually, running
+from tests.service_harness import Running, running_service
+
+
+@pytest.fixture
+async def api(redis_url: str, sluice_database_url: str, prefix: str) -> AsyncIterator[Running]:
+    async with running_service(redis_url, sluice_database_url, prefix) as svc:
+        yield svc
+
+
+async def _until_status(api: Running, job_id: str, status: str, path: str = "/jobs/") -> dict[str, Any]:
+    async def reached() -> dict[str, Any] | None:
+        await api.drain_events()
+        body: dict[str, Any] = (await api.client.get(path + job_id)).json()
+        return body if body["status"] == status else None
+
+    found: dict[str, Any] = await eventually(reached, timeout=20)
+    return found
+
+
+# ---- the NestJS job service's routes ---------------------------------------------------------------------
+async def test_nest_create_answers_the_record_with_the_designs_defaults(api: Running) -> None:
+    resp = await api.client.post("/jobs", json={"type": "generic", "payload": {"n": 1}})
+    assert resp.status_code == 201
+    body = resp.json()
+    assert set(body) >= {
+        "id",
+        "type",
+        "status",
+        "priority",
+        "attempts",
+        "maxAttempts",
+        "createdAt",
+        "updatedAt",
+        "processedAt",
+        "completedAt",
+        "error",
+        "result",
+    }
+    assert uuid.UUID(body["id"]).version == 4
+    assert (body["type"], body["status"], body["priority"], body["attempts"], body["maxAttempts"]) == (
+        "generic",
+        "QUEUED",
+        10,
+        0,
+        10,
+    )
+    assert body["processedAt"] is None and body["completedAt"] is None and body["result"] is None
+    got = await api.client.get(f"/jobs/{body['id']}")
+    assert got.status_code == 200 and got.json()["id"] == body["id"]
+    # the engine has it, under the priority the design gave it
+    record = await api.svc.queue.get_job("1")
+    assert record is not None and (record.name, record.priority, record.max_attempts) == ("generic", 10, 10)
+
+
+async def test_nest_idempotency_key_returns_the_first_job_with_201(api: Running) -> None:
+    first = await api.client.post("/jobs", json={"type": "generic", "payload": {}, "idempotencyKey": "k-1"})
+    again = await api.client.post(
+        "/jobs", json={"type": "email", "payload": {"to": "x@y"}, "idempotencyKey": "k-1"}
+    )
+    assert first.status_code == again.status_code == 201
+    assert again.json()["id"] == first.json()["id"] and again.json()["type"] == "generic"
+    assert (await api.svc.queue.counts())["waiting"] == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "says"),
+    [
+        ({"type": "generic", "payload": {}, "priorty": 5}, "priorty", "unknown field 'priorty'"),
+        ({"type": "generic", "payload": {}, "priority": 7}, "priority", "priority"),
+        ({"type": "generic", "payload": [1]}, "payload", "payload"),
+        ({"payload": {}}, "type", "type"),
+        ({"type": "generic", "payload": {}, "maxAttempts": 0}, "maxAttempts", "maxAttempts"),
+        ({"type": "no spaces", "payload": {}}, "type", "type"),
+    ],
+)
+async def test_bad_input_is_a_422_naming_the_field(
+    api: Running, body: dict[str, Any], field: str, says: str
+) -> None:
+    resp = await api.client.post("/jobs", json=body)
+    assert resp.status_code == 422
+    err = resp.json()
+    assert err["statusCode"] == 422 and err["error"]["field"] == field and says in err["message"]
+    assert (await api.svc.queue.counts())["added"] == 0
+
+
+async def test_not_json_and_unknown_ids_have_the_same_error_shape(api: Running) -> None:
+    bad = await api.client.post("/jobs", content=b"{nope", headers={"content-type": "application/json"})
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid"
+    for path in (f"/jobs/{uuid.uuid4()}", "/jobs/not-a-uuid", f"/v1/jobs/{uuid.uuid4()}"):
+        missing = await api.client.get(path)
+        assert missing.status_code == 404, path
+        assert set(missing.json()) == {"statusCode", "message", "error"}
+        assert missing.json()["error"]["code"] == "not_found"
+
+
+async def test_a_body_over_the_limit_is_a_413(redis_url: str, sluice_database_url: str, prefix: str) -> None:
+    async with running_service(redis_url, sluice_database_url, prefix, max_body_bytes=2048) as api:
+        big = {"type": "generic", "payload": {"text": "x" * 4000}}
+        resp = await api.client.post("/jobs", json=big)
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "payload_too_large"
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: counted as it streams
+            yield b'{"type": "generic", "payload": {"text": "'
+            for _ in range(10):
+                yield b"y" * 500
+            yield b'"}}'
+
+        streamed = await api.client.post(
+            "/jobs", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert streamed.status_code == 413
+        assert (await api.svc.queue.counts())["added"] == 0
+
+
+# ---- /v1 ------------------------------------------------------------------------------------------------
+async def test_v1_create_list_filter_and_page(api: Running) -> None:
+    made = []
+    for i in range(5):
+        kind = "generic" if i % 2 == 0 else "email"
+        resp = await api.client.post("/v1/jobs", json={"type": kind, "payload": {"i": i}, "priority": i})
+        assert resp.status_code == 201 and resp.json()["created"] is True
+        made.append(resp.json()["id"])
+    dup = await api.client.post("/v1/jobs", json={"type": "generic", "idempotency_key": "a"})
+    again = await api.client.post("/v1/jobs", json={"type": "generic", "idempotency_key": "a"})
+    assert (dup.status_code, again.status_code, again.json()["created"]) == (201, 200, False)
+    made.append(dup.json()["id"])
+    seen: list[str] = []
+    cursor = None
+    while True:
+        params = {"limit": 2} | ({"cursor": cursor} if cursor else {})
+        page = (await api.client.get("/v1/jobs", params=params)).json()
+        seen += [j["id"] for j in page["jobs"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == made[::-1]  # newest first, each once
+    emails = (await api.client.get("/v1/jobs", params={"type": "email"})).json()["jobs"]
+    assert [j["payload"]["i"] for j in emails] == [3, 1]
+    bad = await api.client.get("/v1/jobs", params={"status": "DONE"})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "status"
+    assert (await api.client.get("/v1/jobs", params={"cursor": "garbage"})).status_code == 422
+
+
+async def test_jobs_run_and_every_transition_reaches_the_store(
+    api: Running, prefix: str, redis_url: str
+) -> None:
+    # Given a job that fails twice (its payload says so) and one that completes
+    ok = (await api.client.post("/v1/jobs", json={"type": "generic", "payload": {"n": 1}})).json()
+    failing = (
+        await api.client.post(
+            "/v1/jobs", json={"type": "generic", "payload": {"fail": True}, "max_attempts": 2}
+        )
+    ).json()
+    async with running(service_worker(prefix=prefix, concurrency=2), redis_url):
+        done = await _until_status(api, ok["id"], "COMPLETED", "/v1/jobs/")
+        dead = await _until_status(api, failing["id"], "DEAD_LETTER", "/v1/jobs/")
+    assert done["result"] == {"ok": True, "attempt": 1}
+    assert done["processed_at"] is not None and done["completed_at"] is not None
+    assert [(a["attempt"], a["outcome"]) for a in done["attempt_list"]] == [(1, "completed")]
+    assert dead["attempts"] == 2 and "payload.fail is true" in dead["error"]
+    assert [(a["attempt"], a["outcome"]) for a in dead["attempt_list"]] == [(1, "failed"), (2, "failed")]
+    assert all(a["finished_at"] is not None and "payload.fail" in a["error"] for a in dead["attempt_list"])
+
+
+async def test_the_sink_applies_a_batch_again_without_change(api: Running) -> None:
+    job = (await api.client.post("/v1/jobs", json={"type": "generic"})).json()
+    reply = await api.svc.queue.protocol.step(want=1, lease_ms=10_000, worker_id="w")
+    token = reply.jobs[1]
+    await api.svc.queue.protocol.step(
+        want=0, lease_ms=10_000, worker_id="w", outcomes=[("1", token, b"c", b'"done"', 0, -1)]
+    )
+    entries: Any = await api.svc.queue.redis.xrange(api.svc.queue.keys.events, "-", "+")
+    await api.sink._apply(entries)
+    await api.sink._apply(entries)
+    await api.sink._apply(entries[:2])
+    got = (await api.client.get(f"/v1/jobs/{job['id']}")).json()
+    assert (got["status"], got["result"], got["attempts"]) == ("COMPLETED", "done", 1)
+    assert [(a["token"], a["outcome"]) for a in got["attempt_list"]] == [(1, "completed")]
+
+
+# ---- the reconciler ----------------------------------------------------------------------------------------
+async def test_a_job_stored_but_never_enqueued_is_enqueued_by_the_reconciler(api: Running) -> None:
+    # Given a job the API stored, then crashed before enqueueing (the store write alone)
+    from sluice.service.routes_v1 import new_job
+    from sluice.service.schemas import JobIn
+
+    stored, _ = await api.svc.store.create(
+        new_job(JobIn.model_validate({"type": "generic"}), "default", "jobs", None)
+    )
+    assert (await api.svc.queue.counts())["added"] == 0
+    # When the reconciler passes (after its grace)
+    later = stored.created_at + (await _grace(api))
+    done = await api.reconciler.reconcile(now=later)
+    # Then the engine has it, once, under the job's key; a second pass changes nothing
+    assert (done.enqueued, (await api.svc.queue.counts())["waiting"]) == (1, 1)
+    assert (await api.reconciler.reconcile(now=later)).enqueued == 0
+    await api.drain_events()
+    row = await api.svc.store.get(stored.id)
+    assert row is not None and row.engine_id == 1 and row.status == "QUEUED"
+
+
+async def test_jobs_redis_forgot_are_enqueued_again(api: Running, prefix: str, redis_url: str) -> None:
+    # Given two jobs accepted and known to the store, then Redis loses its data
+    ids = [
+        (await api.client.post("/v1/jobs", json={"type": "generic", "payload": {"i": i}})).json()["id"]
+        for i in range(2)
+    ]
+    await api.drain_events()
+    keys: Any = [k async for k in api.svc.queue.redis.scan_iter(match=api.svc.queue.keys.base + "*")]
+    await api.svc.queue.redis.delete(*keys)
+    # When the reconciler passes
+    later = (await api.svc.store.get(uuid.UUID(ids[1]))).updated_at + (await _grace(api))  # type: ignore[union-attr]
+    done = await api.reconciler.reconcile(now=later, full=True)
+    # Then both run again, and the store follows them to the end
+    assert done.enqueued == 2
+    async with running(service_worker(prefix=prefix), redis_url):
+        for job_id in ids:
+            await _until_status(api, job_id, "COMPLETED", "/v1/jobs/")
+
+
+async def _grace(api: Running) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=api.svc.settings.reconcile_grace + 1)
+
+
+async def test_readyz_says_which_dependency_is_down(api: Running) -> None:
+    ok = await api.client.get("/readyz")
+    assert ok.status_code == 200 and ok.json()["checks"] == {"redis": "ok", "postgres": "ok"}
+    assert (await api.client.get("/healthz")).json() == {"status": "ok"}
+
+
+async def test_openapi_lists_every_route(api: Running) -> None:
+    spec = (await api.client.get("/openapi.json")).json()
+    assert {
+        "/jobs",
+        "/jobs/{job_id}",
+        "/v1/jobs",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/batch",
+        "/healthz",
+        "/readyz",
+    } <= set(spec["paths"])
+
+
+async def test_concurrent_duplicates_make_one_job(api: Running) -> None:
+    async def submit() -> tuple[int, str]:
+        resp = await api.client.post(
+            "/jobs", json={"type": "generic", "payload": {}, "idempotencyKey": "same"}
+        )
+        return resp.status_code, resp.json()["id"]
+
+    answers = await asyncio.gather(*(submit() for _ in range(200)))
+    assert {status for status, _ in answers} == {201}
+    assert len({job_id for _, job_id in answers}) == 1
+    assert (await api.svc.queue.counts())["added"] == 1
+    assert (await api.svc.store.counts()) == {"QUEUED": 1}
