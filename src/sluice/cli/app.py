@@ -13,6 +13,7 @@ from sluice.cli import (
     bench_cmd,
     budget_cmd,
     demo,
+    dev_cmd,
     dlq_cmd,
     enqueue_cmd,
     flow_cmd,
@@ -94,6 +95,7 @@ for name, fn in (
     ("worker", worker_cmd.worker),
     ("demo", demo.demo),
     ("serve", serve_cmd.serve),
+    ("dev", dev_cmd.dev),
 ):
     app.command(name, cls=SluiceCommand)(fn)
 app.add_typer(dlq_cmd.dlq_app, name="dlq")

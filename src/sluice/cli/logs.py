@@ -50,6 +50,10 @@ def configure(settings: Settings) -> None:
     handler.setFormatter(formatter)
     root.addHandler(handler)
     root.setLevel(settings.logging_level)
+    # Libraries that narrate their start at INFO (alembic lists its plugins and each migration;
+    # the service logs what a migration changed itself).
+    for chatty in ("alembic",):
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, settings.logging_level))
     structlog.configure(
         processors=[
             structlog.stdlib.filter_by_level,

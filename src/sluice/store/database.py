@@ -8,6 +8,7 @@ migrate once and the others wait for it, not race it.
 
 from __future__ import annotations
 
+import logging
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ from sluice.errors import ConfigurationError
 if TYPE_CHECKING:
     from sqlalchemy import Connection
     from sqlalchemy.ext.asyncio import AsyncSession
+
+log = logging.getLogger("sluice.store")
 
 #: Any fixed number: the advisory lock every migrating process takes.
 _MIGRATION_LOCK = 0x51_1CE_0001
@@ -84,10 +87,13 @@ class Database:
         """Apply the migrations that are missing; returns the revision the database is at."""
 
         def upgrade(connection: Connection) -> None:
+            # Alembic says what it runs at INFO; the service says it once, below, if anything ran.
+            logging.getLogger("alembic").setLevel(logging.WARNING)
             cfg = _alembic_config()
             cfg.attributes["connection"] = connection
             command.upgrade(cfg, "head")
 
+        before = await self.revision()
         async with self.engine.connect() as conn:
             await conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _MIGRATION_LOCK})
             try:
@@ -96,7 +102,10 @@ class Database:
             finally:
                 await conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _MIGRATION_LOCK})
                 await conn.commit()
-        return await self.revision() or ""
+        after = await self.revision() or ""
+        if after != before:
+            log.info("store: migrated %s from %s to %s", redact_url(self.url), before or "empty", after)
+        return after
 
     async def revision(self) -> str | None:
         """The revision the database is at (None: never migrated)."""
