@@ -195,11 +195,13 @@ async def test_an_async_handler_that_blocks_the_loop_is_stopped_hard_and_retried
 ) -> None:
     # Given worker A (hard grace 0.5 s) running two jobs: one whose first attempt calls
     # time.sleep(8) in an async handler with a timeout of 1 s, and one that behaves
-    a = procs.start("A", "--concurrency", "2", "--hard-grace", "0.5")
+    # (both added before A starts: A's first call leases both, before the blocker can block
+    # its loop; added after, the bystander could find the loop already blocked)
     blocker = await queue.add(
         "block", {"block_on": [1], "seconds": 8}, timeout=1, max_attempts=2, backoff=Backoff.fixed(0.1)
     )
     bystander = await queue.add("hold", {"hold": {"A": 30}})
+    a = procs.start("A", "--concurrency", "2", "--hard-grace", "0.5")
     await eventually(lambda: _runs_are(redis, prefix, [blocker.id, bystander.id], 1), timeout=15)
     started = time.monotonic()
     # When the loop stays blocked past the timeout and the grace
