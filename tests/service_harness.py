@@ -42,18 +42,17 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def running_service(
-    redis_url: str, database_url: str, prefix: str, **overrides: Any
+    redis_url: str, database_url: str, prefix: str, *, auth: bool = False, **overrides: Any
 ) -> AsyncIterator[Running]:
     options: dict[str, Any] = {
         "redis_url": redis_url,
         "database_url": database_url,
         "prefix": prefix,
-        "no_auth": True,
         "sink": False,
     }
     options.update(overrides)
     settings = ServiceSettings(**options)
-    app = create_app(settings)
+    app = create_app(settings, auth=auth)
     async with app.router.lifespan_context(app):
         svc: Services = app.state.services
         sink = TransitionSink(svc.queue, svc.db, consumer="test", block_ms=10)

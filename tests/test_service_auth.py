@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from sqlalchemy import text
 
+from sluice.service import asgi
 from tests.service_harness import Running, running_service
 
 
 @pytest.fixture
 async def api(redis_url: str, sluice_database_url: str, prefix: str) -> AsyncIterator[Running]:
-    async with running_service(redis_url, sluice_database_url, prefix, no_auth=False) as svc:
+    async with running_service(redis_url, sluice_database_url, prefix, auth=True) as svc:
         yield svc
 
 
@@ -68,3 +70,24 @@ async def test_a_revoked_key_stops_working(api: Running) -> None:
     async with api.svc.db.engine.connect() as conn:
         dump = str((await conn.execute(text("SELECT * FROM api_keys"))).all())
     assert key not in dump and key[10:20] not in dump
+
+
+async def test_no_variable_turns_authentication_off(
+    monkeypatch: pytest.MonkeyPatch, redis_url: str, sluice_database_url: str, prefix: str
+) -> None:
+    # The entry point sluice serve runs reads SLUICE_*; none of them disables keys
+    for name, value in (
+        ("SLUICE_REDIS_URL", redis_url),
+        ("SLUICE_DATABASE_URL", sluice_database_url),
+        ("SLUICE_PREFIX", prefix),
+        ("SLUICE_NO_AUTH", "1"),
+        ("SLUICE_AUTH", "false"),
+        ("SLUICE_SINK", "false"),
+    ):
+        monkeypatch.setenv(name, value)
+    app = asgi.app()
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            resp = await client.post("/jobs", json={"type": "generic", "payload": {}})
+    assert resp.status_code == 401

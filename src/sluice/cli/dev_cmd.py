@@ -101,9 +101,9 @@ def dev(
         ) from None
     out = stdout()
     with redis_url(None, stderr()) as rurl, database_url() as durl:
-        options: dict[str, object] = {"redis_url": rurl, "database_url": durl, "no_auth": True}
+        options: dict[str, object] = {"redis_url": rurl, "database_url": durl}
         settings = ServiceSettings(**options)  # type: ignore[arg-type]
-        app = create_app(settings)
+        app = create_app(settings, auth=False)
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         server = uvicorn.Server(config)
         base = f"http://127.0.0.1:{port}"

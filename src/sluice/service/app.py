@@ -36,8 +36,12 @@ from sluice.store.sink import TransitionSink
 VERSION = "0.1.0"
 
 
-def create_app(settings: ServiceSettings) -> FastAPI:
-    """The service; it connects when it starts (ASGI lifespan) and closes when it stops."""
+def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
+    """The service; it connects when it starts (ASGI lifespan) and closes when it stops.
+
+    ``auth=False`` (``sluice dev`` only): no API key is asked for, and every caller is the
+    default tenant's admin.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -50,7 +54,7 @@ def create_app(settings: ServiceSettings) -> FastAPI:
         try:
             await db.migrate()
             store = JobStore(db)
-            app.state.services = Services(settings, queue, db, store, KeyStore(db))
+            app.state.services = Services(settings, auth, queue, db, store, KeyStore(db))
             if settings.sink:
                 consumer = f"{socket.gethostname()}:{os.getpid()}"
                 sink = TransitionSink(queue, db, consumer=consumer)

@@ -14,7 +14,11 @@ from sluice.settings import DEFAULT_PREFIX
 
 
 class ServiceSettings(BaseSettings):
-    """``SLUICE_*`` variables of ``sluice serve`` and ``sluice dev``."""
+    """``SLUICE_*`` variables of ``sluice serve`` and ``sluice dev``.
+
+    Authentication is not among them: no variable can turn it off. Only
+    ``sluice dev`` runs without it, by passing ``auth=False`` to ``create_app``.
+    """
 
     model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore", frozen=True)
 
@@ -31,5 +35,3 @@ class ServiceSettings(BaseSettings):
     #: Seconds a QUEUED job may be missing from Redis before the reconciler enqueues it again.
     reconcile_grace: float = Field(30.0, gt=0)
     reconcile_interval: float = Field(10.0, gt=0)
-    #: Without authentication (``sluice dev`` only): every caller is the default tenant's admin.
-    no_auth: bool = False

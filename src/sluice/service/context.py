@@ -26,6 +26,8 @@ class Services:
     """The service's parts, made once at start (``create_app``'s lifespan)."""
 
     settings: ServiceSettings
+    #: False only under ``sluice dev``: every caller is then the default tenant's admin
+    auth: bool
     queue: Queue
     db: Database
     store: JobStore
@@ -67,7 +69,7 @@ def _presented_key(request: Request) -> str | None:
 async def caller(request: Request, svc: Annotated[Services, Depends(services)]) -> Caller:
     """The caller, from ``Authorization: Bearer <key>`` (or ``X-API-Key``); 401 without a
     live key. Without authentication (``sluice dev``), the default tenant's admin."""
-    if svc.settings.no_auth:
+    if not svc.auth:
         return Caller(DEFAULT_TENANT, admin=True)
     key = _presented_key(request)
     if not key:
