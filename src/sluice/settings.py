@@ -97,6 +97,12 @@ ENVIRONMENT = (
         "Unset: sluice dev uses the embedded PostgreSQL of SLUICE_HOME; sluice serve refuses to start.",
     ),
     Variable("SLUICE_MAX_BODY_BYTES", "1048576", "The service's largest request body; larger ones get 413."),
+    Variable(
+        "SLUICE_MAX_BACKLOG_SECONDS",
+        "300",
+        "Backpressure: the service answers submissions 429 while the queue is more work behind than this.",
+    ),
+    Variable("SLUICE_MAX_DEPTH", "1000000", "Backpressure: ... or while more jobs than this wait."),
     Variable(ENV_LOG_LEVEL, "info", "debug, info, warning or error."),
     Variable(ENV_LOG_FORMAT, "console", "console (readable lines) or json (one object per line)."),
     Variable(ENV_DEBUG, "0", "1: errors print their traceback, as --debug does."),

@@ -24,6 +24,8 @@ from sluice.service import errors
 from sluice.service.config import ServiceSettings
 from sluice.service.context import Services, ServicesDep
 from sluice.service.middleware import BodyLimit, RequestId
+from sluice.service.pressure import PressureGauge
+from sluice.service.routes_arqueue import router as arqueue_router
 from sluice.service.routes_compat import router as compat_router
 from sluice.service.routes_v1 import router as v1_router
 from sluice.service.submit import enqueue
@@ -54,7 +56,10 @@ def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
         try:
             await db.migrate()
             store = JobStore(db)
-            app.state.services = Services(settings, auth, queue, db, store, KeyStore(db))
+            gauge = PressureGauge(
+                queue, max_backlog_seconds=settings.max_backlog_seconds, max_depth=settings.max_depth
+            )
+            app.state.services = Services(settings, auth, queue, db, store, KeyStore(db), gauge)
             if settings.sink:
                 consumer = f"{socket.gethostname()}:{os.getpid()}"
                 sink = TransitionSink(queue, db, consumer=consumer)
@@ -91,6 +96,7 @@ def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
     errors.install(app)
     app.include_router(v1_router)
     app.include_router(compat_router)
+    app.include_router(arqueue_router)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

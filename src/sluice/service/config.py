@@ -35,3 +35,7 @@ class ServiceSettings(BaseSettings):
     #: Seconds a QUEUED job may be missing from Redis before the reconciler enqueues it again.
     reconcile_grace: float = Field(30.0, gt=0)
     reconcile_interval: float = Field(10.0, gt=0)
+    #: Backpressure: submissions get 429 when the backlog would take longer than this to drain
+    #: at the measured rate, or when more than ``max_depth`` jobs wait.
+    max_backlog_seconds: float = Field(300.0, gt=0)
+    max_depth: int = Field(1_000_000, ge=1)

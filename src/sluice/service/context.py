@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 
 from sluice.service.errors import ApiError
+from sluice.service.pressure import PressureGauge
 from sluice.store.keys import ApiKey, KeyStore, digest
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class Services:
     db: Database
     store: JobStore
     keys: KeyStore
+    pressure: PressureGauge
     #: digest -> (key or None, when the answer was read): a revoked key works for at most
     #: KEY_CACHE_SECONDS more, and a request costs no database read
     key_cache: dict[str, tuple[ApiKey | None, float]] = field(default_factory=dict)
@@ -95,6 +97,19 @@ async def admin(who: Annotated[Caller, Depends(caller)]) -> Caller:
     return who
 
 
+async def admitted(svc: Annotated[Services, Depends(services)]) -> None:
+    """Backpressure: 429 with Retry-After while the queue is too far behind."""
+    p = await svc.pressure.read()
+    if p.refusing:
+        behind = f"{p.backlog_seconds:.0f} s of work" if p.backlog_seconds is not None else f"{p.depth} jobs"
+        raise ApiError(
+            429,
+            f"the queue is {behind} behind (pressure {p.score:.2f}); try again in {p.retry_after} s",
+            headers={"Retry-After": str(p.retry_after)},
+        )
+
+
 ServicesDep = Annotated[Services, Depends(services)]
+AdmittedDep = Annotated[None, Depends(admitted)]
 CallerDep = Annotated[Caller, Depends(caller)]
 AdminDep = Annotated[Caller, Depends(admin)]

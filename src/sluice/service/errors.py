@@ -45,13 +45,20 @@ class ApiError(Exception):
     """An error with its HTTP status; raise it from a route."""
 
     def __init__(
-        self, status: int, message: str, *, code: str | None = None, field: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code or _CODES.get(status, "error")
         self.field = field
+        self.headers = headers
 
 
 def error_body(
@@ -107,7 +114,7 @@ def _http(request: Request, exc: Exception) -> JSONResponse:
 
 def _api(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.message, code=exc.code, field=exc.field)
+    return error_response(exc.status, exc.message, code=exc.code, field=exc.field, headers=exc.headers)
 
 
 def _engine(request: Request, exc: Exception) -> JSONResponse:

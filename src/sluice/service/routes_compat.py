@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from sluice.service.context import CallerDep, ServicesDep
+from sluice.service.context import AdmittedDep, CallerDep, ServicesDep
 from sluice.service.errors import ApiError
 from sluice.service.routes_v1 import parse_id
 from sluice.service.schemas import ErrorOut, NestJobIn, NestJobOut
@@ -41,7 +41,9 @@ def nest_out(job: StoredJob) -> NestJobOut:
 
 
 @router.post("/jobs", status_code=201, response_model=NestJobOut)
-async def nest_create(body: NestJobIn, request: Request, svc: ServicesDep, who: CallerDep) -> NestJobOut:
+async def nest_create(
+    body: NestJobIn, request: Request, svc: ServicesDep, who: CallerDep, _admitted: AdmittedDep
+) -> NestJobOut:
     """Create a job (NestJS design). A repeated ``idempotencyKey`` returns the first job, with 201."""
     new = NewJob(
         tenant=who.tenant,

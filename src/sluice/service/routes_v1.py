@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from sluice.engine.backoff import DEFAULT_BACKOFF
-from sluice.service.context import CallerDep, ServicesDep
+from sluice.service.context import AdmittedDep, CallerDep, ServicesDep
 from sluice.service.errors import ApiError
 from sluice.service.schemas import AttemptOut, ErrorOut, JobIn, JobOut, JobsIn, JobsOut
 from sluice.service.submit import backoff_json, submit
@@ -74,7 +74,12 @@ def new_job(body: JobIn, tenant: str, queue: str, correlation_id: str | None) ->
 
 @router.post("/jobs", status_code=201, response_model=JobOut, response_model_exclude_none=False)
 async def create_job(
-    body: JobIn, request: Request, response: Response, svc: ServicesDep, who: CallerDep
+    body: JobIn,
+    request: Request,
+    response: Response,
+    svc: ServicesDep,
+    who: CallerDep,
+    _admitted: AdmittedDep,
 ) -> JobOut:
     """Accept one job: stored, then enqueued. The same idempotency key again returns the first
     job (``created: false``), with 200."""
@@ -88,7 +93,9 @@ async def create_job(
 
 
 @router.post("/jobs/batch", status_code=201, response_model=JobsOut)
-async def create_jobs(body: JobsIn, request: Request, svc: ServicesDep, who: CallerDep) -> JobsOut:
+async def create_jobs(
+    body: JobsIn, request: Request, svc: ServicesDep, who: CallerDep, _admitted: AdmittedDep
+) -> JobsOut:
     """Accept many jobs, each as ``POST /v1/jobs`` would (in order; a failing one stops the rest
     and says which)."""
     correlation = request.state.request_id

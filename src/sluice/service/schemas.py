@@ -126,3 +126,11 @@ class NestJobOut(BaseModel):
     completedAt: datetime | None  # noqa: N815
     error: str | None
     result: Any
+
+
+# ---- ArQueue (POST /enqueue) ------------------------------------------------------------------------------
+class ArqTaskIn(_Strict):
+    type: JobType
+    payload: dict[str, Any]
+    maxRetries: int = Field(3, ge=0, le=10)  # noqa: N815
+    idempotencyKey: IdempotencyKey | None = None  # noqa: N815

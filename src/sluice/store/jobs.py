@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from sqlalchemy import and_, func, or_, select, tuple_
+from sqlalchemy import and_, func, or_, select, text, tuple_
 from sqlalchemy.dialects.postgresql import insert
 
 from sluice.errors import InvalidJobError
@@ -243,6 +243,41 @@ class JobStore:
             rows = list(await session.scalars(query))
         jobs = [StoredJob.of(r) for r in rows[:limit]]
         return Page(jobs, _encode_cursor(jobs[-1]) if len(rows) > limit else None)
+
+    async def latency_percentiles(
+        self, tenant: str, *, last: int = 1000
+    ) -> dict[str, dict[str, float | None]]:
+        """p50/p95/p99 (ms) of queue wait (created to first start), processing (first start to
+        completion) and end to end, over the tenant's ``last`` newest completed jobs."""
+        query = text(
+            """
+            WITH recent AS (
+                SELECT created_at, processed_at, completed_at FROM jobs
+                WHERE tenant = :tenant AND status = 'COMPLETED' AND processed_at IS NOT NULL
+                ORDER BY created_at DESC LIMIT :last
+            )
+            SELECT
+                percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP
+                    (ORDER BY extract(epoch FROM processed_at - created_at) * 1000),
+                percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP
+                    (ORDER BY extract(epoch FROM completed_at - processed_at) * 1000),
+                percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP
+                    (ORDER BY extract(epoch FROM completed_at - created_at) * 1000),
+                count(*)
+            FROM recent
+            """
+        )
+        async with self.db.sessions() as session:
+            row = (await session.execute(query, {"tenant": tenant, "last": last})).one()
+        out: dict[str, dict[str, float | None]] = {}
+        for name, values in zip(("queue_wait", "processing", "end_to_end"), row[:3], strict=True):
+            ps = list(values) if values is not None else [None, None, None]
+            out[name] = {
+                label: round(float(v), 3) if v is not None else None
+                for label, v in zip(("p50", "p95", "p99"), ps, strict=True)
+            }
+        out["sample"] = {"jobs": float(row[3])}
+        return out
 
     async def counts(self, tenant: str | None = None) -> dict[str, int]:
         """Jobs per status (of one tenant, or of all)."""
