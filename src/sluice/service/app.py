@@ -25,6 +25,7 @@ from sluice.service.config import ServiceSettings
 from sluice.service.context import Services, ServicesDep
 from sluice.service.middleware import BodyLimit, RequestId
 from sluice.service.pressure import PressureGauge
+from sluice.service.routes_admin import router as admin_router
 from sluice.service.routes_arqueue import router as arqueue_router
 from sluice.service.routes_compat import router as compat_router
 from sluice.service.routes_v1 import router as v1_router
@@ -97,6 +98,7 @@ def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
     app.include_router(v1_router)
     app.include_router(compat_router)
     app.include_router(arqueue_router)
+    app.include_router(admin_router)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
