@@ -115,15 +115,21 @@ class ServerStatus:
     users: tuple[User, ...]
 
 
-class RedisFolder:
-    """The files of one folder's shared server, and the locked operations on them."""
+class ServerFolder:
+    """The files of one folder's shared server (its record, the start lock, one file per user)
+    and the locked operations on them, for any server; :class:`RedisFolder` and
+    ``shared_postgres.PostgresFolder`` add how to probe and stop theirs."""
 
-    def __init__(self, home: str | Path) -> None:
-        self.path = Path(home).resolve() / "redis"
+    #: the server's name in messages, and the variable that names one the user runs instead
+    what = "server"
+    url_variable = ENV_REDIS_URL
+
+    def __init__(self, home: str | Path, subdir: str, log_name: str) -> None:
+        self.path = Path(home).resolve() / subdir
         self.record_path = self.path / "server.json"
         self.lock_path = self.path / "start.lock"
         self.users_path = self.path / "users"
-        self.log_path = self.path / "redis.log"
+        self.log_path = self.path / log_name
 
     @contextlib.contextmanager
     def locked(self, timeout: float = LOCK_TIMEOUT) -> Iterator[None]:
@@ -133,8 +139,8 @@ class RedisFolder:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise ConfigurationError(
-                f"cannot keep the embedded Redis in {self.path} ({exc.strerror}); set {ENV_HOME} to a "
-                f"folder you can write, or {ENV_REDIS_URL} to a Redis you run"
+                f"cannot keep the embedded {self.what} in {self.path} ({exc.strerror}); set {ENV_HOME} to "
+                f"a folder you can write, or {self.url_variable} to a {self.what} you run"
             ) from exc
         try:
             deadline = time.monotonic() + timeout
@@ -142,25 +148,19 @@ class RedisFolder:
                 if time.monotonic() > deadline:
                     raise ConfigurationError(
                         f"waited {timeout:g}s for {self.lock_path}: another sluice command is starting "
-                        f"or stopping this folder's Redis and has not finished; see {self.log_path}"
+                        f"or stopping this folder's {self.what} and has not finished; see {self.log_path}"
                     )
                 time.sleep(0.02)
             yield
         finally:
             os.close(fd)  # releases the lock
 
-    def read_record(self) -> ServerRecord | None:
-        try:
-            return ServerRecord.parse(self.record_path.read_text())
-        except FileNotFoundError:
-            return None
-
-    def write_record(self, record: ServerRecord) -> None:
+    def write_record(self, record: object) -> None:
         """Replace ``server.json`` at once: a reader sees the old record or the new, never half."""
         tmp = self.record_path.with_suffix(f".{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it may hold a password
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(asdict(record), indent=1) + "\n")
+            f.write(json.dumps(asdict(record), indent=1) + "\n")  # type: ignore[call-overload]
         tmp.replace(self.record_path)
 
     def forget_record(self) -> None:
@@ -202,6 +202,21 @@ class RedisFolder:
             finally:
                 os.close(fd)
         return users
+
+
+class RedisFolder(ServerFolder):
+    """The files of one folder's shared Redis, and the locked operations on them."""
+
+    what = "Redis"
+
+    def __init__(self, home: str | Path) -> None:
+        super().__init__(home, "redis", "redis.log")
+
+    def read_record(self) -> ServerRecord | None:
+        try:
+            return ServerRecord.parse(self.record_path.read_text())
+        except FileNotFoundError:
+            return None
 
     def server(self, wait: float = 0.0) -> ServerRecord | None:
         """The record of the live server, or None (a stale record is deleted).

@@ -36,17 +36,16 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from sluice.errors import ConfigurationError
-from sluice.settings import ENV_DATABASE_URL, ENV_HOME
+from sluice.settings import ENV_DATABASE_URL
 from sluice.testing.embedded import pid_alive
 from sluice.testing.postgres import ROOT_OS_USER, EmbeddedPostgres, ready
 from sluice.testing.postgres_binaries import PostgresBinaries, find_binaries
-from sluice.testing.shared import LOCK_TIMEOUT, User, _read_user, _try_lock, _wait_gone
+from sluice.testing.shared import LOCK_TIMEOUT, ServerFolder, User, _wait_gone
 
 #: The database the shared server's URL names (created on first start).
 DATABASE = "sluice"
@@ -92,90 +91,22 @@ class PostgresStatus:
     users: tuple[User, ...]
 
 
-class PostgresFolder:
-    """The files of one folder's shared PostgreSQL, and the locked operations on them."""
+class PostgresFolder(ServerFolder):
+    """The files of one folder's shared PostgreSQL (its cluster in ``data``), and the locked
+    operations on them."""
+
+    what = "PostgreSQL"
+    url_variable = ENV_DATABASE_URL
 
     def __init__(self, home: str | Path) -> None:
-        self.path = Path(home).resolve() / "postgres"
+        super().__init__(home, "postgres", "postgres.log")
         self.pgdata = self.path / "data"
-        self.record_path = self.path / "server.json"
-        self.lock_path = self.path / "start.lock"
-        self.users_path = self.path / "users"
-        self.log_path = self.path / "postgres.log"
-
-    @contextlib.contextmanager
-    def locked(self, timeout: float = LOCK_TIMEOUT) -> Iterator[None]:
-        """Hold ``start.lock``: one process at a time starts, adopts, leaves or stops."""
-        try:
-            self.users_path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise ConfigurationError(
-                f"cannot keep the embedded PostgreSQL in {self.path} ({exc.strerror}); set {ENV_HOME} to "
-                f"a folder you can write, or {ENV_DATABASE_URL} to a PostgreSQL you run"
-            ) from exc
-        try:
-            deadline = time.monotonic() + timeout
-            while not _try_lock(fd):
-                if time.monotonic() > deadline:
-                    raise ConfigurationError(
-                        f"waited {timeout:g}s for {self.lock_path}: another sluice command is starting or "
-                        f"stopping this folder's PostgreSQL and has not finished; see {self.log_path}"
-                    )
-                time.sleep(0.02)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
 
     def read_record(self) -> PostgresRecord | None:
         try:
             return PostgresRecord.parse(self.record_path.read_text())
         except FileNotFoundError:
             return None
-
-    def write_record(self, record: PostgresRecord) -> None:
-        """Replace ``server.json`` at once (mode 600: it may hold the password)."""
-        tmp = self.record_path.with_suffix(f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(asdict(record), indent=1) + "\n")
-        tmp.replace(self.record_path)
-
-    def forget_record(self) -> None:
-        self.record_path.unlink(missing_ok=True)
-
-    def register(self, label: str) -> tuple[int, Path]:
-        """A new user file, locked by this process until :meth:`unregister` (or its death)."""
-        path = self.users_path / f"{os.getpid()}-{secrets.token_hex(4)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        if not _try_lock(fd):  # a new file nobody else knows: cannot be locked already
-            raise AssertionError(f"{path} is locked by another process")
-        os.write(fd, json.dumps({"pid": os.getpid(), "label": label}).encode())
-        return fd, path
-
-    @staticmethod
-    def unregister(fd: int, path: Path) -> None:
-        path.unlink(missing_ok=True)
-        os.close(fd)
-
-    def live_users(self, exclude: Path | None = None) -> list[User]:
-        """The users whose process still holds its lock; files of dead ones are deleted (call under lock)."""
-        users: list[User] = []
-        for path in sorted(self.users_path.iterdir()):
-            if path == exclude:
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                if _try_lock(fd):
-                    path.unlink(missing_ok=True)  # its process is gone, and so is its lock
-                else:
-                    users.append(_read_user(fd, path))
-            finally:
-                os.close(fd)
-        return users
 
     def server(self, wait: float = 0.0) -> PostgresRecord | None:
         """The record of the live server, or None (a stale record is deleted).
