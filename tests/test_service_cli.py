@@ -138,6 +138,15 @@ def test_sluice_serve_needs_a_key_from_sluice_keys(
         check=False,
     )
     assert missing.returncode == 1 and "SLUICE_REDIS_URL" in missing.stderr
+    down = subprocess.run(
+        [sys.executable, "-m", "sluice", "serve", "--database", "postgresql://x@127.0.0.1:1/db"],
+        env=_env(tmp_path, SLUICE_REDIS_URL=redis_url),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert down.returncode == 1 and "Traceback" not in down.stderr
+    assert "PostgreSQL at postgresql://x@127.0.0.1:1/db cannot be used" in down.stderr
 
 
 def test_the_readmes_service_commands_run_as_written(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import typer
 from sluice.cli.errors import CliFailure
 from sluice.cli.output import plain_table, print_json, stdout, utc
 from sluice.cli.parsing import SluiceCommand
+from sluice.errors import SluiceError
 from sluice.settings import ENV_REDIS_URL
 
 if TYPE_CHECKING:
@@ -85,7 +86,9 @@ def serve(
         raise CliFailure(
             f"no Redis: pass --redis redis://host:6379/0 or set {ENV_REDIS_URL} (or use `sluice dev`)"
         )
-    os.environ["SLUICE_DATABASE_URL"] = _database_url(database)
+    database_url = _database_url(database)
+    _check_database(database_url)
+    os.environ["SLUICE_DATABASE_URL"] = database_url
     os.environ["SLUICE_REDIS_URL"] = redis_url
     os.environ["SLUICE_QUEUE"] = queue
     uvicorn.run(
@@ -96,6 +99,33 @@ def serve(
         workers=processes if processes > 1 else None,
         log_level="warning",
         access_log=False,
+    )
+
+
+def _check_database(url: str) -> None:
+    """Migrate once, here, before any API process starts: a database that is unreachable or
+    refuses is one line with what to check, not a traceback from every process."""
+
+    async def run() -> None:
+        db = await _database(url)
+        await db.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 30))
+    except Exception as exc:
+        raise _db_failure(url, exc) from exc
+
+
+def _db_failure(url: str, exc: Exception) -> CliFailure:
+    from sluice.store.database import redact_url
+
+    if isinstance(exc, CliFailure):
+        return exc
+    if isinstance(exc, SluiceError):  # bad input of ours (a tenant name): its own message
+        return CliFailure(str(exc))
+    return CliFailure(
+        f"PostgreSQL at {redact_url(url)} cannot be used ({type(exc).__name__}: {exc}); check "
+        f"--database / {ENV_DATABASE} and that the server runs"
     )
 
 
@@ -133,7 +163,7 @@ def keys_create(
     try:
         record, key = asyncio.run(run())
     except Exception as exc:
-        raise CliFailure(str(exc)) from exc
+        raise _db_failure(url, exc) from exc
     if as_json:
         print_json({"id": str(record.id), "tenant": tenant, "admin": admin, "key": key})
         return
@@ -159,7 +189,10 @@ def keys_list(
         finally:
             await db.close()
 
-    keys = asyncio.run(run())
+    try:
+        keys = asyncio.run(run())
+    except Exception as exc:
+        raise _db_failure(url, exc) from exc
     if as_json:
         print_json(
             [
@@ -213,6 +246,10 @@ def keys_revoke(
         finally:
             await db.close()
 
-    if not asyncio.run(run()):
+    try:
+        revoked = asyncio.run(run())
+    except Exception as exc:
+        raise _db_failure(url, exc) from exc
+    if not revoked:
         raise CliFailure(f"no live key {key_id}; `sluice keys list` shows them")
     stdout().print(f"revoked {key_id}")
