@@ -430,6 +430,9 @@ def _serve(limits: ProviderLimits, host: str) -> None:
     """Bind a free port, print the base URL (the parent reads it), serve until SIGTERM."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((host, 0))
+    # Listening before the URL is printed: a client that connects at once finds the backlog,
+    # not a refusal (uvicorn listens again on the given socket, which changes nothing).
+    sock.listen(128)
     config = uvicorn.Config(
         SimulatedProvider(limits).app,
         lifespan="off",
