@@ -25,6 +25,7 @@ from sluice.service.config import ServiceSettings
 from sluice.service.context import Services, ServicesDep
 from sluice.service.middleware import BodyLimit, RequestId
 from sluice.service.pressure import PressureGauge
+from sluice.service.ratelimit import RateLimiter
 from sluice.service.routes_admin import router as admin_router
 from sluice.service.routes_arqueue import router as arqueue_router
 from sluice.service.routes_compat import router as compat_router
@@ -60,7 +61,10 @@ def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
             gauge = PressureGauge(
                 queue, max_backlog_seconds=settings.max_backlog_seconds, max_depth=settings.max_depth
             )
-            app.state.services = Services(settings, auth, queue, db, store, KeyStore(db), gauge)
+            limiter = RateLimiter(
+                queue.redis, settings.prefix, rate=settings.rate_limit, burst=settings.rate_burst
+            )
+            app.state.services = Services(settings, auth, queue, db, store, KeyStore(db), gauge, limiter)
             if settings.sink:
                 consumer = f"{socket.gethostname()}:{os.getpid()}"
                 sink = TransitionSink(queue, db, consumer=consumer)

@@ -39,3 +39,7 @@ class ServiceSettings(BaseSettings):
     #: at the measured rate, or when more than ``max_depth`` jobs wait.
     max_backlog_seconds: float = Field(300.0, gt=0)
     max_depth: int = Field(1_000_000, ge=1)
+    #: Requests per second each API key may make, shared by all API processes (0: no limit),
+    #: and how many may come at once above that rate.
+    rate_limit: float = Field(200.0, ge=0)
+    rate_burst: int = Field(400, ge=1)

@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 
 from sluice.service.errors import ApiError
 from sluice.service.pressure import PressureGauge
+from sluice.service.ratelimit import RateLimiter
 from sluice.store.keys import ApiKey, KeyStore, digest
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class Services:
     store: JobStore
     keys: KeyStore
     pressure: PressureGauge
+    limiter: RateLimiter
     #: digest -> (key or None, when the answer was read): a revoked key works for at most
     #: KEY_CACHE_SECONDS more, and a request costs no database read
     key_cache: dict[str, tuple[ApiKey | None, float]] = field(default_factory=dict)
@@ -88,6 +90,18 @@ async def caller(request: Request, svc: Annotated[Services, Depends(services)]) 
         svc.key_cache[hashed] = (found, now)
     if found is None:
         raise ApiError(401, "this API key is unknown or revoked")
+    verdict = await svc.limiter.check(hashed)
+    if svc.limiter.enabled:
+        # RateLimit headers on every answer (the middleware adds them to the response).
+        request.state.rate_limit = (svc.limiter.burst, verdict.remaining, svc.limiter.rate)
+    if not verdict.allowed:
+        raise ApiError(
+            429,
+            f"this API key made more than {svc.limiter.rate:g} requests per second; "
+            f"try again in {verdict.retry_after} s",
+            headers={"Retry-After": str(verdict.retry_after)},
+            code="rate_limited",
+        )
     return Caller(found.tenant, admin=found.admin)
 
 

@@ -10,6 +10,7 @@ import re
 import uuid
 
 import orjson
+import structlog
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -75,7 +76,8 @@ class BodyLimit:
 
 class RequestId:
     """``X-Request-ID``: the client's (if it looks like an id) or a new one, in the scope's state
-    for the routes and the logs, and returned on the response."""
+    for the routes and the logs, and returned on the response; with the caller's rate limit
+    (``RateLimit-*`` headers) once authentication has counted the request."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -91,12 +93,24 @@ class RequestId:
                 break
         if not _REQUEST_ID.match(rid):
             rid = uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
         raw = rid.encode()
 
         async def with_id(msg: Message) -> None:
             if msg["type"] == "http.response.start":
-                msg["headers"] = [*msg.get("headers", []), (b"x-request-id", raw)]
+                headers = [*msg.get("headers", []), (b"x-request-id", raw)]
+                limit = state.get("rate_limit")
+                if limit is not None:
+                    burst, remaining, rate = limit
+                    headers += [
+                        (b"ratelimit-limit", str(burst).encode()),
+                        (b"ratelimit-remaining", str(remaining).encode()),
+                        (b"ratelimit-policy", f"{burst};w={burst / rate:g}".encode()),
+                    ]
+                msg["headers"] = headers
             await send(msg)
 
-        await self.app(scope, receive, with_id)
+        # Every log line written while the request is served names it (logs.py merges these).
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            await self.app(scope, receive, with_id)

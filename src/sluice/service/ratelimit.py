@@ -1,0 +1,72 @@
+"""A request rate limit per API key, shared by every API process through Redis.
+
+The limit is a GCRA (generic cell rate algorithm): one Redis key per API key
+holds the "theoretical arrival time" of the next request, and one script call
+per request moves it on or refuses. It keeps a steady rate with a burst
+allowance, uses one small string per key (no list of timestamps), and its
+work is constant, whatever the rate. The script reads Redis's clock, so API
+processes on machines whose clocks disagree still share one limit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+    from redis.commands.core import AsyncScript
+
+# KEYS[1]: the key's arrival-time record. ARGV[1]: microseconds between requests at the
+# steady rate; ARGV[2]: the burst (requests that may come at once).
+# Returns {allowed (1/0), retry after (us), remaining burst}.
+_GCRA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local interval = tonumber(ARGV[1])
+local tolerance = interval * tonumber(ARGV[2])
+local tat = tonumber(redis.call('GET', KEYS[1])) or now
+if tat < now then tat = now end
+local next_tat = tat + interval
+local allowed_from = next_tat - tolerance
+if allowed_from > now then
+  return {0, math.ceil(allowed_from - now), 0}
+end
+redis.call('SET', KEYS[1], string.format('%.0f', next_tat), 'PX', math.ceil((next_tat - now) / 1000) + 1000)
+return {1, 0, math.floor((now - allowed_from) / interval)}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One request's answer: whether it may go on, when to come back if not (seconds,
+    rounded up), and how many more requests the burst allows now."""
+
+    allowed: bool
+    retry_after: int
+    remaining: int
+
+
+class RateLimiter:
+    """``rate`` requests per second per key, with ``burst`` at once (0 rate: no limit)."""
+
+    def __init__(self, redis: Redis, prefix: str, *, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = max(burst, 1)
+        self._prefix = f"{prefix}:ratelimit:"
+        self._script: AsyncScript | None = redis.register_script(_GCRA) if rate > 0 else None
+        self._interval_us = math.ceil(1_000_000 / rate) if rate > 0 else 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._script is not None
+
+    async def check(self, who: str) -> Verdict:
+        """Count one request of ``who`` (a key's digest) against its limit."""
+        if self._script is None:
+            return Verdict(True, 0, self.burst)
+        allowed, wait_us, remaining = await self._script(
+            keys=[self._prefix + who], args=[self._interval_us, self.burst]
+        )
+        return Verdict(bool(allowed), math.ceil(int(wait_us) / 1_000_000), int(remaining))
