@@ -172,6 +172,7 @@ class AddSpec:
     tokens: int = 0
     budget: str | None = None
     on_exhausted: str = "reject"
+    correlation_id: str | None = None
 
 
 @dataclass
@@ -243,6 +244,8 @@ class ModelJob:
         if s.budget is not None:
             h["budget"] = s.budget
             h["on_ex"] = s.on_exhausted
+        if s.correlation_id is not None:
+            h["cid"] = s.correlation_id
         optional = {
             "due": self.due,
             "idem": self.idem_key,
@@ -266,7 +269,7 @@ class ModelJob:
 
 @dataclass(frozen=True)
 class LeasedJob:
-    """The 11 values dispatch returns per leased job, typed as Redis returns them."""
+    """The 12 values dispatch returns per leased job, typed as Redis returns them."""
 
     id: bytes
     token: int
@@ -279,6 +282,7 @@ class LeasedJob:
     created: bytes
     tokens: int
     budget: bytes
+    correlation_id: bytes
 
     def flat(self) -> list[bytes | int]:
         return [
@@ -293,6 +297,7 @@ class LeasedJob:
             self.created,
             self.tokens,
             self.budget,
+            self.correlation_id,
         ]
 
 
@@ -695,6 +700,7 @@ class Model:
             str(job.created).encode(),
             s.tokens,
             (s.budget or "").encode(),
+            (s.correlation_id or "").encode(),
         )
 
     def _next_due(self, wait: int) -> int:

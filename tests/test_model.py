@@ -155,6 +155,7 @@ def model_spec(spec: JobSpec) -> AddSpec:
         tokens=spec.tokens,
         budget=spec.budget,
         on_exhausted=spec.on_exhausted,
+        correlation_id=spec.correlation_id,
     )
 
 
@@ -188,6 +189,7 @@ def _specs(draw: st.DrawFn) -> JobSpec:
         tokens=draw(st.sampled_from(TOKENS if budget is None else BUDGET_TOKENS)),
         budget=budget,
         on_exhausted=draw(st.sampled_from(["reject", "wait", "wait"])),
+        correlation_id=draw(st.sampled_from([None, None, "req-1f3a"])),
     )
 
 

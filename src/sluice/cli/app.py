@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 import sluice
+from sluice import logs
 from sluice.cli import (
     bench_cmd,
     budget_cmd,
@@ -20,7 +21,6 @@ from sluice.cli import (
     goodput_cmd,
     jobs_cmd,
     lab_cmd,
-    logs,
     memory_cmd,  # noqa: F401  (importing it registers `sluice bench memory`)
     redis_cmd,
     retention_cmd,

@@ -1,10 +1,52 @@
-"""What a handler receives: the job it runs, and how to be idempotent about it."""
+"""What a handler receives: the job it runs, and how to be idempotent about it; and which job
+a log line is about, wherever in the handler's call tree it was written."""
 
 from __future__ import annotations
 
+import logging
+from contextvars import ContextVar
 from typing import Any
 
 from sluice.engine.job import MAX_TOKENS
+
+#: The attempt running in this task (or in the thread of a sync handler): set by the worker
+#: before the handler starts, in the job's own task, so that it never leaks to another job.
+_current: ContextVar[JobContext | None] = ContextVar("sluice_current_job", default=None)
+
+
+def current_job() -> JobContext | None:
+    """The job attempt whose handler is running here (None outside one).
+
+    Code deep in a handler's call tree (a provider client, a helper library)
+    can name the job it works for without the context being passed down.
+    """
+    return _current.get()
+
+
+def set_current_job(ctx: JobContext | None) -> None:
+    """For the worker: make ``ctx`` the current job of this task."""
+    _current.set(ctx)
+
+
+class JobLogFilter(logging.Filter):
+    """Adds the running job to every log record written while its handler runs: ``job_id``,
+    ``job_name``, ``attempt``, and ``correlation_id`` (the request that made it).
+
+    Put it on a handler (``handler.addFilter(JobLogFilter())``): a formatter
+    or structlog's ``ExtraAdder`` then shows them. ``sluice worker`` does this
+    itself. A field the record already has is left alone.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = _current.get()
+        if ctx is not None:
+            fields = record.__dict__
+            fields.setdefault("job_id", ctx.id)
+            fields.setdefault("job_name", ctx.name)
+            fields.setdefault("attempt", ctx.attempt)
+            if ctx.correlation_id is not None:
+                fields.setdefault("correlation_id", ctx.correlation_id)
+        return True
 
 
 class JobContext:
@@ -27,6 +69,7 @@ class JobContext:
     __slots__ = (
         "attempt",
         "budget",
+        "correlation_id",
         "created_ms",
         "epoch",
         "id",
@@ -58,6 +101,7 @@ class JobContext:
         epoch: str = "",
         tokens: int = 0,
         budget: str | None = None,
+        correlation_id: str | None = None,
     ) -> None:
         self.queue = queue
         self.id = job_id
@@ -75,6 +119,8 @@ class JobContext:
         self.tokens = tokens
         #: the budget the job spends from, or None
         self.budget = budget
+        #: the id of the request that made the job (JobSpec.correlation_id), or None
+        self.correlation_id = correlation_id
         #: tokens this attempt used, as reported with record_usage (-1: not reported)
         self.usage = -1
         #: set by the worker (from its event loop) when it wants this attempt to end; a plain

@@ -27,6 +27,8 @@ MAX_IDEMPOTENCY_KEY_LENGTH = 400
 MAX_TOKENS = 10**12
 ON_EXHAUSTED = ("reject", "wait")
 _BUDGET_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+#: A correlation id: printable ASCII without spaces, so it is safe on a log line as is.
+_CORRELATION_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 
 
 class JobState(enum.StrEnum):
@@ -90,6 +92,10 @@ class JobSpec:
     ``on_exhausted``: when the budget cannot admit the estimate, "reject" ends
     the job as rejected (not a failure); "wait" parks it until a top-up or a
     new window.
+    ``correlation_id``: an id of the request that made the job (the service
+    passes its ``X-Request-ID``), given to every attempt as
+    ``JobContext.correlation_id`` and put on the worker's log lines about it,
+    so that one id follows the work from the HTTP request to the handler.
     """
 
     name: str
@@ -104,6 +110,7 @@ class JobSpec:
     tokens: int = 0
     budget: str | None = None
     on_exhausted: str = "reject"
+    correlation_id: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME_LENGTH:
@@ -140,6 +147,11 @@ class JobSpec:
             )
         if self.on_exhausted not in ON_EXHAUSTED:
             raise InvalidJobError(f'on_exhausted must be "reject" or "wait", got {self.on_exhausted!r}')
+        cid = self.correlation_id
+        if cid is not None and (not isinstance(cid, str) or not _CORRELATION_ID.match(cid)):
+            raise InvalidJobError(
+                f"correlation_id must be 1-128 printable ASCII characters without spaces, got {cid!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +222,8 @@ class JobRecord:
     spent: int = 0
     #: what each attempt's reservation charged, oldest first (the last 20 attempts)
     attempts_spend: tuple[AttemptSpend, ...] = ()
+    #: the id of the request that made the job (JobSpec.correlation_id)
+    correlation_id: str | None = None
 
     @classmethod
     def from_hash(cls, job_id: str, raw: dict[bytes, bytes], idem_prefix: str = "") -> JobRecord:
@@ -286,6 +300,7 @@ class JobRecord:
             parked_on=h["parked"].decode() if "parked" in h else None,
             spent=num("spent", optional=True) or 0,
             attempts_spend=_spend_list(job_id, h.get("spend")),
+            correlation_id=h["cid"].decode() if "cid" in h else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -316,4 +331,5 @@ class JobRecord:
             "parked_on": self.parked_on,
             "spent": self.spent,
             "attempts_spend": [dataclasses.asdict(a) for a in self.attempts_spend],
+            "correlation_id": self.correlation_id,
         }

@@ -187,6 +187,7 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
         tokens: int = 0,
         budget: str | None = None,
         on_exhausted: str = "reject",
+        correlation_id: str | None = None,
     ) -> Job:
         """Add one job; see :class:`JobSpec` for what each option means.
 
@@ -206,6 +207,7 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
             tokens,
             budget,
             on_exhausted,
+            correlation_id,
         )
         return (await self._add_many([spec]))[0]
 
@@ -267,6 +269,7 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
             spec.tokens,
             spec.budget or "",
             spec.on_exhausted,
+            spec.correlation_id or "",
         ]
 
     async def _add_chunk(self, specs: Sequence[JobSpec], encoded: list[list[Any]]) -> list[Job]:

@@ -36,7 +36,7 @@ from sluice.engine.backoff import Backoff
 from sluice.engine.clock import now_ms, script_now
 from sluice.engine.codec import decode, encode
 from sluice.engine.connection import MAX_BLOCK, REROUTE_ERRORS, blocking_client, server_for
-from sluice.engine.context import JobContext
+from sluice.engine.context import JobContext, set_current_job
 from sluice.engine.eviction import warn_if_evicting
 from sluice.engine.protocol import LEASED_FIELDS, StepReply
 from sluice.engine.transport import describe, server_url
@@ -560,6 +560,7 @@ class Runner:
                 epoch=self.epoch,
                 tokens=int(f[9]),
                 budget=f[10].decode() or None,
+                correlation_id=f[11].decode() or None,
             )
         except (ValueError, TypeError, AttributeError) as exc:
             # A record this version cannot read: dead-letter it with the reason
@@ -589,6 +590,7 @@ class Runner:
 
     async def _execute(self, job: _Running, handler: Handler | None) -> None:
         ctx = job.ctx
+        set_current_job(ctx)  # this task's own context: the job's log lines carry it
         timer = None
         if job.timeout is not None:
             timer = asyncio.get_running_loop().call_later(job.timeout, self._time_out, job)
@@ -862,7 +864,12 @@ class Runner:
                 self.wid,
                 job.ctx.id,
                 "its cancellation was requested" if reason == "cancel" else "its lease was lost",
-                extra={"worker_id": self.wid, "job_id": job.ctx.id, "reason": reason},
+                extra={
+                    "worker_id": self.wid,
+                    "job_id": job.ctx.id,
+                    "correlation_id": job.ctx.correlation_id,
+                    "reason": reason,
+                },
             )
             self._stop_handler(job, reason)
 

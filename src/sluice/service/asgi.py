@@ -8,9 +8,14 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from sluice import logs
 from sluice.service.app import create_app
 from sluice.service.config import ServiceSettings
+from sluice.settings import Settings
 
 
 def app() -> FastAPI:
+    # Each API process logs as the CLI does (SLUICE_LOG_FORMAT=json: one JSON object a line);
+    # a process uvicorn spawns starts with no handler of ours.
+    logs.configure(Settings.from_env())
     return create_app(ServiceSettings())  # type: ignore[call-arg] # the URLs come from the environment

@@ -53,7 +53,7 @@ async def email(job: JobContext) -> dict[str, Any]:
     if not isinstance(to, str) or not to:
         raise PermanentError("email jobs need payload.to, the address to send to")
     await asyncio.sleep(EMAIL_SECONDS)
-    log.info("email sent to %s (simulated)", to, extra={"job_id": job.id, "to": to})
+    log.info("email sent to %s (simulated)", to, extra={"to": to})
     return {"sent": True, "to": to}
 
 

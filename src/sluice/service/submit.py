@@ -61,6 +61,7 @@ async def enqueue(queue: Queue, job: StoredJob) -> str:
         idempotency_key=engine_key(job.id),
         tokens=spec.tokens,
         budget=spec.budget,
+        correlation_id=job.correlation_id,
     )
     return added.id
 

@@ -21,7 +21,7 @@
 -- ARGV[9 + 6 * (i - 1) ...] per finished job: id, token, kind, value, retry in (ms from
 --   now, for kind 'f'), tokens used (-1 = not reported)
 --
--- Returns {n, code_1..code_n, next_due, now, epoch, <11 values per taken job>...}
+-- Returns {n, code_1..code_n, next_due, now, epoch, <12 values per taken job>...}
 -- (codes: see includes/finish.lua; next_due and jobs: see includes/dispatch.lua;
 -- now is the script's clock, so a worker can time next_due without trusting its own;
 -- epoch names this life of the queue's data, so that provider idempotency keys

@@ -16,9 +16,9 @@
 --   considered; a queue-wide gate stops the step (strict priority order).
 --   At most EXAMINE_MAX jobs are looked at; a call stopped there with jobs
 --   still waiting answers wait = now (come back at once).
---   Appends 11 values per job to `out`:
+--   Appends 12 values per job to `out`:
 --     id, token, name, payload, attempt, max_attempts, timeout_ms, backoff, created,
---     tokens (the estimate), budget ('' if none)
+--     tokens (the estimate), budget ('' if none), correlation id ('' if none)
 --   `wait` is 0 when nothing refused, else as for queue_wait.
 -- next_due(K, wait): the earliest time something may become runnable without
 --   any other event: a delayed job, a parked budget's retry time, or `wait`.
@@ -282,7 +282,7 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
       local jk = K.jobp .. id
       local f = redis.call('HMGET', jk, 'name', 'payload', 'max_attempts', 'timeout_ms', 'backoff',
                            'created', 'attempt', 'token', 'tokens', 'budget', 'on_ex', 'score',
-                           'parked')
+                           'parked', 'cid')
       if not f[1] then
         -- The record is gone (deleted by hand, or evicted): nothing to run.
         if gated then redis.call('ZREM', K.waiting, id) end
@@ -330,6 +330,7 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
           out[n + 9] = f[6]
           out[n + 10] = math.max(math.floor(tonumber(f[9]) or 0), 0)
           out[n + 11] = f[10] or ''
+          out[n + 12] = f[14] or ''
           taken = taken + 1
         end
       end

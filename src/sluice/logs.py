@@ -1,11 +1,14 @@
-"""Log output of CLI processes: one handler for the standard logging records of the library
-(``sluice.*``, ``redis``, ...) and the CLI's own structlog events.
+"""Log output of Sluice's processes (the CLI, its workers, the API's processes): one handler
+for the standard logging records of the library (``sluice.*``, ``redis``, ...) and the
+CLI's own structlog events.
 
 The library only logs through ``logging``; the application decides where it
 goes. Here that is stderr, either as readable lines (``console``, the
 default) or one JSON object per line (``SLUICE_LOG_FORMAT=json``), which
 carries the structured fields the engine attaches to each record (job id,
-worker id, attempt, error...).
+worker id, attempt, error...); a line written while a handler runs also
+carries its job's id, name, attempt and correlation id, and one written
+while the API serves a request carries the request's id.
 """
 
 from __future__ import annotations
@@ -16,9 +19,22 @@ from typing import Any
 
 import structlog
 
+from sluice.engine.context import current_job
 from sluice.settings import Settings
 
 _HANDLER_NAME = "sluice-cli"
+
+
+def _job_fields(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """The job whose handler is running (as ``JobLogFilter`` adds it to stdlib records)."""
+    ctx = current_job()
+    if ctx is not None:
+        event.setdefault("job_id", ctx.id)
+        event.setdefault("job_name", ctx.name)
+        event.setdefault("attempt", ctx.attempt)
+        if ctx.correlation_id is not None:
+            event.setdefault("correlation_id", ctx.correlation_id)
+    return event
 
 
 def configure(settings: Settings) -> None:
@@ -26,6 +42,8 @@ def configure(settings: Settings) -> None:
     json = settings.log_format == "json"
     timestamper = structlog.processors.TimeStamper(fmt="iso" if json else "%H:%M:%S.%f", utc=json)
     pre_chain: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        _job_fields,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         timestamper,
@@ -57,7 +75,7 @@ def configure(settings: Settings) -> None:
     structlog.configure(
         processors=[
             structlog.stdlib.filter_by_level,
-            *pre_chain[:3],
+            *pre_chain[:5],
             structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
