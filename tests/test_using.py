@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import configparser
 import contextlib
+import io
 import json
+import logging
 import os
 import re
 import shlex
@@ -30,7 +32,8 @@ import psutil
 import pytest
 from redis.asyncio import Redis
 
-from sluice import JobState, Queue
+from sluice import JobContext, JobState, Queue, Worker, current_job
+from sluice.testing import running_worker
 from tests.proc_harness import REPO
 from tests.test_cli import invoke
 
@@ -81,6 +84,45 @@ async def test_the_retention_examples(redis_url: str, redis: Redis, prefix: str)
     await namespace["keep_results_for_six_hours"](other)  # type: ignore[operator]
     kept = await other.retention()
     assert (kept["completed"].age, kept["completed"].count, kept["dead"].age) == (6 * 3600, 200_000, None)
+
+
+async def test_the_job_log_filter_example(redis_url: str, redis: Redis, prefix: str) -> None:
+    """The doc's handler set-up, then a job that logs (from a sync handler's thread too)."""
+    app_log = logging.getLogger("app")
+    app_log.setLevel(logging.INFO)
+    before = list(app_log.handlers)
+    exec(compile(block("job-log-filter"), "docs/using.md", "exec"), {})  # noqa: S102
+    (handler,) = [h for h in app_log.handlers if h not in before]
+    stream = io.StringIO()
+    handler.setStream(stream)  # type: ignore[attr-defined]
+    seen: list[str | None] = []
+    worker = Worker("logged", prefix=prefix)
+
+    @worker.handler(name="async")
+    async def in_loop(job: JobContext) -> None:
+        app_log.info("working")
+        seen.append(getattr(current_job(), "correlation_id", None))
+
+    @worker.handler(name="sync")
+    def in_thread(job: JobContext) -> None:
+        app_log.info("working in a thread")
+
+    try:
+        queue = Queue("logged", redis=redis, prefix=prefix)
+        async with running_worker(worker, redis_url):
+            a = await queue.add("async", correlation_id="req-42")
+            b = await queue.add("sync")
+            await a.result(timeout=10)
+            await b.result(timeout=10)
+        app_log.info("outside any job")
+    finally:
+        app_log.removeHandler(handler)
+    assert stream.getvalue().splitlines() == [
+        f"INFO job={a.id} request=req-42 working",
+        f"INFO job={b.id} request=- working in a thread",
+        "INFO job=- request=- outside any job",
+    ]
+    assert seen == ["req-42"] and current_job() is None
 
 
 async def test_the_library_snippet(

@@ -15,6 +15,7 @@ from sluice.engine import (
     FlowState,
     Job,
     JobContext,
+    JobLogFilter,
     JobRecord,
     JobSpec,
     JobState,
@@ -23,6 +24,7 @@ from sluice.engine import (
     Settlement,
     Worker,
     WorkerInfo,
+    current_job,
 )
 from sluice.errors import (
     AttemptTimeout,
@@ -74,6 +76,7 @@ __all__ = [
     "JobContext",
     "JobExhausted",
     "JobFailed",
+    "JobLogFilter",
     "JobNotFound",
     "JobRecord",
     "JobRejected",
@@ -97,4 +100,5 @@ __all__ = [
     "Worker",
     "WorkerInfo",
     "__version__",
+    "current_job",
 ]

@@ -103,6 +103,12 @@ ENVIRONMENT = (
         "Backpressure: the service answers submissions 429 while the queue is more work behind than this.",
     ),
     Variable("SLUICE_MAX_DEPTH", "1000000", "Backpressure: ... or while more jobs than this wait."),
+    Variable(
+        "SLUICE_RATE_LIMIT",
+        "200",
+        "Requests per second each API key may make, counted in Redis for all API processes (0: none).",
+    ),
+    Variable("SLUICE_RATE_BURST", "400", "Requests an API key may make at once above SLUICE_RATE_LIMIT."),
     Variable(ENV_LOG_LEVEL, "info", "debug, info, warning or error."),
     Variable(ENV_LOG_FORMAT, "console", "console (readable lines) or json (one object per line)."),
     Variable(ENV_DEBUG, "0", "1: errors print their traceback, as --debug does."),

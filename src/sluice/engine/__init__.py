@@ -7,7 +7,7 @@ hiredis) and orjson: scripts/check holds it to that with import-linter.
 from sluice.engine.admin import WorkerInfo
 from sluice.engine.backoff import Backoff
 from sluice.engine.budgets import Budgets, BudgetState, Reservation, Settlement
-from sluice.engine.context import JobContext
+from sluice.engine.context import JobContext, JobLogFilter, current_job
 from sluice.engine.events import Event
 from sluice.engine.flow import FlowState
 from sluice.engine.job import MAX_PRIORITY, JobRecord, JobSpec, JobState
@@ -23,6 +23,7 @@ __all__ = [
     "FlowState",
     "Job",
     "JobContext",
+    "JobLogFilter",
     "JobRecord",
     "JobSpec",
     "JobState",
@@ -31,4 +32,5 @@ __all__ = [
     "Settlement",
     "Worker",
     "WorkerInfo",
+    "current_job",
 ]
