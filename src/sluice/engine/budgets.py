@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sluice.engine.clock import script_now
+from sluice.engine.clock import queue_now_ms, script_now
 from sluice.engine.job import MAX_TOKENS
 from sluice.engine.transport import reads, writes
 from sluice.errors import BudgetError, BudgetExists, BudgetNotFound
@@ -120,6 +120,25 @@ class BudgetChange:
     #: False when this operation id had been applied before: nothing changed now, and the
     #: figures are those the first call left
     applied: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetCopy:
+    """What it takes to make a budget again after Redis lost it (:meth:`Budgets.copies`,
+    :meth:`Budgets.restore`): its definition, its credit, and what its window had used
+    at ``at_ms`` (Redis's clock)."""
+
+    name: str
+    limit: int
+    used: int
+    #: '' (none), 'day', 'month' or 'roll'
+    win: str
+    win_ms: int
+    parent: str | None
+    credit: int
+    #: the window the credit belongs to, as the budget stores it
+    credit_p: int
+    at_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +382,71 @@ class Budgets:
                 check_budget_name(name)
         raw = await self._queue.scripts.budget_read(keys=self._keys.flow, args=[script_now(now), *names])
         return [_state(name, raw[i * 13 : (i + 1) * 13]) for i, name in enumerate(names)]
+
+    @reads
+    async def copies(self, names: list[str]) -> list[BudgetCopy | None]:
+        """Copies of these budgets as they stand now (None: no such budget), for keeping
+        somewhere that outlives Redis; :meth:`restore` makes one again from its copy."""
+        if not names:
+            return []
+        at = await queue_now_ms(self._queue)
+        states = await self._states(names, at)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hget(self._keys.budget_prefix + name, "credit_p")
+            periods: list[Any] = await pipe.execute()
+        out: list[BudgetCopy | None] = []
+        for state, cp in zip(states, periods, strict=True):
+            if state is None:
+                out.append(None)
+                continue
+            win = {None: "", "rolling": "roll"}.get(state.window, state.window or "")
+            out.append(
+                BudgetCopy(
+                    state.name,
+                    state.limit,
+                    state.used,
+                    win,
+                    int((state.window_seconds or 0) * 1000),
+                    state.parent,
+                    state.credit,
+                    int(cp or 0),
+                    at,
+                )
+            )
+        return out
+
+    @writes
+    async def restore(self, copy: BudgetCopy, *, charged_since: int = 0, now: int | None = None) -> bool:
+        """Make a budget again from its copy, after Redis lost it: True if made, False if
+        the budget exists (a live budget is never overwritten).
+
+        It starts with what its window had used at the copy plus
+        ``charged_since`` (tokens charged after the copy was taken, as far as
+        you know them): a calendar window that turned since keeps only those,
+        and in a rolling window all of it counts as charged now. Restore a
+        parent before its children (BudgetNotFound names a missing parent).
+        """
+        check_budget_name(copy.name)
+        code = await self._queue.scripts.budget_restore(
+            keys=self._keys.flow,
+            args=[
+                script_now(now),
+                copy.name,
+                copy.limit,
+                copy.win,
+                copy.win_ms,
+                copy.parent or "",
+                copy.at_ms,
+                copy.used,
+                copy.credit,
+                copy.credit_p,
+                max(charged_since, 0),
+            ],
+        )
+        if code == -2:
+            raise BudgetNotFound(copy.parent or "")
+        return bool(code == 1)
 
     @writes
     async def reserve(

@@ -39,6 +39,7 @@ COMMANDS = (
     "purge",
     "budget_put",
     "budget_read",
+    "budget_restore",
     "reserve",
     "settle",
     "sweep",
@@ -110,6 +111,7 @@ class Scripts:
         self.purge: AsyncScript = redis.register_script(source("purge"))
         self.budget_put: AsyncScript = redis.register_script(source("budget_put"))
         self.budget_read: AsyncScript = redis.register_script(source("budget_read"))
+        self.budget_restore: AsyncScript = redis.register_script(source("budget_restore"))
         self.reserve: AsyncScript = redis.register_script(source("reserve"))
         self.settle: AsyncScript = redis.register_script(source("settle"))
         self.sweep: AsyncScript = redis.register_script(source("sweep"))
