@@ -13,6 +13,9 @@ and looks each up in Redis by its engine id:
 * the engine does not: it is enqueued again, under the same engine
   idempotency key, so a racing API cannot make two. Delivery is at least
   once: a job whose run Redis forgot may run again.
+
+Budgets Redis lost are rebuilt from the store's copy first (``ledger.py``):
+the engine refuses a job that names a budget it does not know.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import update
 
+from sluice.errors import InvalidJobError
 from sluice.store.schema import JobRow
 from sluice.store.sink import engine_key
 
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
     from sluice.engine.job import JobRecord
     from sluice.engine.queue import Queue
     from sluice.store.jobs import JobStore, StoredJob
+    from sluice.store.ledger import BudgetLedger
 
 log = logging.getLogger("sluice.store.reconcile")
 
@@ -56,6 +61,7 @@ class Pass:
     looked: int = 0
     enqueued: int = 0
     finished: int = 0
+    rejected: int = 0
 
 
 class Reconciler:
@@ -69,8 +75,10 @@ class Reconciler:
         *,
         grace: float = 30.0,
         interval: float = 10.0,
+        ledger: BudgetLedger | None = None,
     ) -> None:
         self.queue = queue
+        self.ledger = ledger
         self.store = store
         self.enqueue = enqueue
         self.grace = grace
@@ -106,6 +114,9 @@ class Reconciler:
         when Redis's epoch changed (it lost its data) or ``full``."""
         older_than = (now or datetime.now(UTC)) - timedelta(seconds=self.grace)
         done = Pass()
+        if self.ledger is not None:
+            # Budgets first: the engine refuses a job whose budget it does not know.
+            await self.ledger.restore_missing()
         await self._sweep(done, older_than, unseen_only=True, pages=None)
         epoch: Any = await self.queue.redis.get(self.queue.keys.epoch)
         if full or (self._epoch is not None and epoch != self._epoch):
@@ -141,7 +152,14 @@ class Reconciler:
                     if await self._finish_from(job, record):
                         done.finished += 1
                     continue
-                engine_id = await self.enqueue(self.queue, job)
+                try:
+                    engine_id = await self.enqueue(self.queue, job)
+                except InvalidJobError as exc:
+                    # A row the engine will never take (stored by an older version that checked
+                    # less): it ends REJECTED, saying why, rather than stop every pass here.
+                    await self._reject(job, str(exc))
+                    done.rejected += 1
+                    continue
                 await self._mark_enqueued(job, int(engine_id))
                 done.enqueued += 1
             after = (jobs[-1].updated_at, jobs[-1].id)
@@ -163,6 +181,20 @@ class Reconciler:
         async with self.store.db.sessions() as session, session.begin():
             await session.execute(update(JobRow).where(JobRow.id == job.id).values(**values))
         return True
+
+    async def _reject(self, job: StoredJob, error: str) -> None:
+        log.error(
+            "reconciler: job %s cannot be enqueued and is REJECTED: %s",
+            job.id,
+            error,
+            extra={"job_id": str(job.id), "error": error},
+        )
+        async with self.store.db.sessions() as session, session.begin():
+            await session.execute(
+                update(JobRow)
+                .where(JobRow.id == job.id)
+                .values(status="REJECTED", error=error, updated_at=datetime.now(UTC))
+            )
 
     async def _mark_enqueued(self, job: StoredJob, engine_id: int) -> None:
         async with self.store.db.sessions() as session, session.begin():

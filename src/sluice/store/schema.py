@@ -124,6 +124,33 @@ class AttemptRow(Base):
     error: Mapped[str | None] = mapped_column(Text)
 
 
+class BudgetRow(Base):
+    """The store's copy of one budget of the engine's ledger: its definition and, as of
+    ``snapshot_ms`` (Redis's clock), what its window had used.
+
+    Together with the attempts the store records since, this is what a budget
+    is rebuilt from when Redis comes back without it (``store/ledger.py``).
+    A row with ``snapshot_ms`` 0 is a budget that jobs named but that has not
+    been read yet.
+    """
+
+    __tablename__ = "budgets"
+
+    queue: Mapped[str] = mapped_column(Text, primary_key=True)
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    limit: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    used: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    #: '' (none), 'day', 'month' or 'roll' (then ``win_ms`` long)
+    win: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+    win_ms: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    parent: Mapped[str | None] = mapped_column(Text)
+    credit: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    #: the window the credit belongs to, as the engine stores it (period, end ms, or 0)
+    credit_p: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    snapshot_ms: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    restored_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
 class ApiKeyRow(Base):
     """An API key: only its SHA-256 is stored (keys are 256 random bits, so a fast hash is
     enough: there is nothing to guess). ``prefix`` is the start of the key, shown in lists so
