@@ -56,7 +56,9 @@ async def running_service(
     async with app.router.lifespan_context(app):
         svc: Services = app.state.services
         sink = TransitionSink(svc.queue, svc.db, consumer="test", block_ms=10)
-        reconciler = Reconciler(svc.queue, svc.store, enqueue, grace=settings.reconcile_grace)
+        reconciler = Reconciler(
+            svc.queue, svc.store, enqueue, grace=settings.reconcile_grace, ledger=svc.ledger
+        )
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://sluice.test") as client:
             yield Running(client, svc, sink, reconciler)

@@ -1,8 +1,8 @@
 """The FastAPI application: ``create_app(settings)``.
 
 At start it connects to Redis and PostgreSQL, applies the store's missing
-migrations, and (unless ``sink=False``) runs the transition sink and the
-reconciler beside the routes, so one ``sluice serve`` process is a complete
+migrations, and (unless ``sink=False``) runs the transition sink, the
+reconciler and the ledger's copier beside the routes, so one ``sluice serve`` process is a complete
 service. Several API processes may run at once: they share the sink's
 consumer group and the migrations' lock.
 """
@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from sluice.engine.queue import Queue
 from sluice.service import errors
@@ -34,10 +35,18 @@ from sluice.service.submit import enqueue
 from sluice.store.database import Database
 from sluice.store.jobs import JobStore
 from sluice.store.keys import KeyStore
+from sluice.store.ledger import BudgetLedger
 from sluice.store.reconcile import Reconciler
 from sluice.store.sink import TransitionSink
 
 VERSION = "0.1.0"
+
+
+class ReadyOut(BaseModel):
+    """``/readyz``: ready or not, and each dependency's answer."""
+
+    status: str
+    checks: dict[str, str]
 
 
 def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
@@ -64,7 +73,10 @@ def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
             limiter = RateLimiter(
                 queue.redis, settings.prefix, rate=settings.rate_limit, burst=settings.rate_burst
             )
-            app.state.services = Services(settings, auth, queue, db, store, KeyStore(db), gauge, limiter)
+            ledger = BudgetLedger(queue, db, interval=settings.budget_copy_interval)
+            app.state.services = Services(
+                settings, auth, queue, db, store, KeyStore(db), gauge, limiter, ledger
+            )
             if settings.sink:
                 consumer = f"{socket.gethostname()}:{os.getpid()}"
                 sink = TransitionSink(queue, db, consumer=consumer)
@@ -74,10 +86,12 @@ def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
                     enqueue,
                     grace=settings.reconcile_grace,
                     interval=settings.reconcile_interval,
+                    ledger=ledger,
                 )
                 tasks = [
                     asyncio.create_task(sink.run(stop), name="sluice-sink"),
                     asyncio.create_task(reconciler.run(stop), name="sluice-reconciler"),
+                    asyncio.create_task(ledger.run(stop), name="sluice-ledger"),
                 ]
             yield
         finally:
@@ -96,7 +110,7 @@ def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
         version=VERSION,
         description="A budget-aware job queue for LLM workloads: jobs, budgets and queues over HTTP.",
         lifespan=lifespan,
-        responses={413: {"description": "body too large"}},
+        responses=errors.responses(413),
     )
     errors.install(app)
     app.include_router(v1_router)
@@ -109,7 +123,12 @@ def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
         """The process is up (it answers); says nothing of Redis or PostgreSQL."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], responses={503: {"description": "a dependency is unreachable"}})
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        response_model=ReadyOut,
+        responses={503: {"model": ReadyOut, "description": "a dependency is unreachable"}},
+    )
     async def readyz(svc: ServicesDep) -> Any:
         """Redis and PostgreSQL both answer: ready for traffic."""
         checks: dict[str, str] = {}

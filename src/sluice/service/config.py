@@ -35,6 +35,8 @@ class ServiceSettings(BaseSettings):
     #: Seconds a QUEUED job may be missing from Redis before the reconciler enqueues it again.
     reconcile_grace: float = Field(30.0, gt=0)
     reconcile_interval: float = Field(10.0, gt=0)
+    #: Seconds between copies of the budgets into the store (what a rebuild starts from).
+    budget_copy_interval: float = Field(5.0, gt=0)
     #: Backpressure: submissions get 429 when the backlog would take longer than this to drain
     #: at the measured rate, or when more than ``max_depth`` jobs wait.
     max_backlog_seconds: float = Field(300.0, gt=0)

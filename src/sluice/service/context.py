@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from sluice.service.errors import ApiError
 from sluice.service.pressure import PressureGauge
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from sluice.service.config import ServiceSettings
     from sluice.store.database import Database
     from sluice.store.jobs import JobStore
+    from sluice.store.ledger import BudgetLedger
 
 #: The tenant of every caller when the service runs without authentication (``sluice dev``).
 DEFAULT_TENANT = "default"
@@ -36,6 +38,7 @@ class Services:
     keys: KeyStore
     pressure: PressureGauge
     limiter: RateLimiter
+    ledger: BudgetLedger
     #: digest -> (key or None, when the answer was read): a revoked key works for at most
     #: KEY_CACHE_SECONDS more, and a request costs no database read
     key_cache: dict[str, tuple[ApiKey | None, float]] = field(default_factory=dict)
@@ -61,21 +64,23 @@ KEY_CACHE_SECONDS = 30.0
 _KEY_CACHE_MAX = 10_000
 
 
-def _presented_key(request: Request) -> str | None:
-    auth = request.headers.get("authorization")
-    if auth is not None:
-        scheme, _, value = auth.partition(" ")
-        if scheme.lower() == "bearer" and value.strip():
-            return value.strip()
-    return request.headers.get("x-api-key")
+# Declared as security schemes, so /openapi.json tells clients how to authenticate; read
+# without auto_error, so that a missing key is our own 401 in the one error shape.
+_bearer = HTTPBearer(auto_error=False, description="An API key: sluice keys create --tenant T")
+_api_key = APIKeyHeader(name="X-API-Key", auto_error=False, description="The same key, in this header")
 
 
-async def caller(request: Request, svc: Annotated[Services, Depends(services)]) -> Caller:
+async def caller(
+    request: Request,
+    svc: Annotated[Services, Depends(services)],
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    header_key: Annotated[str | None, Depends(_api_key)],
+) -> Caller:
     """The caller, from ``Authorization: Bearer <key>`` (or ``X-API-Key``); 401 without a
     live key. Without authentication (``sluice dev``), the default tenant's admin."""
     if not svc.auth:
         return Caller(DEFAULT_TENANT, admin=True)
-    key = _presented_key(request)
+    key = bearer.credentials.strip() if bearer is not None and bearer.credentials.strip() else header_key
     if not key:
         raise ApiError(401, "send an API key: Authorization: Bearer <key> (make one with sluice keys create)")
     now = time.monotonic()

@@ -11,20 +11,28 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
-from pydantic import Field
+from fastapi import APIRouter, Path, Query
+from pydantic import BaseModel, BeforeValidator, Field
 
+from sluice.engine.budgets import MAX_ROLLING_SECONDS, BudgetState
+from sluice.engine.flow import FlowState
 from sluice.errors import BudgetExists
 from sluice.service.context import AdminDep, CallerDep, ServicesDep
-from sluice.service.errors import ApiError
+from sluice.service.errors import ApiError, responses
 from sluice.service.routes_v1 import job_out
-from sluice.service.schemas import BudgetName, ErrorOut, JobsOut, _Strict
+from sluice.service.schemas import BUDGET_NAME, BudgetName, Float, Int, JobsOut, _Strict, json_number
 from sluice.store.jobs import MAX_PAGE, StoredJob
 from sluice.store.sink import engine_key
 
-router = APIRouter(prefix="/v1", tags=["operations"], responses={403: {"model": ErrorOut}})
+router = APIRouter(prefix="/v1", tags=["operations"], responses=responses(401, 403, 413, 429, 503))
+
+#: The engine's pattern for an operation id (budgets' op_id).
+_OP_ID = r"^[A-Za-z0-9_.:-]{1,200}$"
+BudgetPath = Annotated[str, Path(pattern=BUDGET_NAME, description="The budget's name")]
+#: (The bounds before the validator: after it, they are left out of the JSON schema.)
+RollingSeconds = Annotated[float, Field(ge=1, le=MAX_ROLLING_SECONDS), BeforeValidator(json_number)]
 
 
 class IdsIn(_Strict):
@@ -34,26 +42,42 @@ class IdsIn(_Strict):
 
 
 class ThrottleIn(_Strict):
-    seconds: float = Field(ge=0, le=86_400, description="Dispatch nothing for this long; 0 lifts it")
+    seconds: Float = Field(ge=0, le=86_400, description="Dispatch nothing for this long; 0 lifts it")
 
 
 class BudgetIn(_Strict):
     name: BudgetName
-    limit: int = Field(ge=0, le=10**12)
-    window: str | float | None = Field(
-        None, description='"day", "month", a rolling number of seconds, or none'
+    limit: Int = Field(ge=0, le=10**12)
+    window: Literal["day", "month"] | RollingSeconds | None = Field(
+        None, description='"day", "month" (UTC calendar), a rolling number of seconds, or none'
     )
-    parent: BudgetName | None = None
+    parent: BudgetName | None = Field(None, description="An existing budget, not this one")
 
 
 class CreditIn(_Strict):
-    tokens: int = Field(ge=1, le=10**12)
+    tokens: Int = Field(ge=1, le=10**12)
     op_id: str | None = Field(
-        None, max_length=200, description="Send the same one on every retry: applied once"
+        None, pattern=_OP_ID, description="Send the same one on every retry: applied once"
     )
 
 
-@router.get("/dead-letters", response_model=JobsOut)
+class QueueOut(BaseModel):
+    queue: str
+    #: jobs per state now, and counters since the queue began
+    counts: dict[str, int]
+    flow: FlowState
+
+
+class CreditOut(BaseModel):
+    budget: str
+    limit: int
+    credit: int
+    #: False: this op_id was applied before, and nothing changed now
+    applied: bool
+    state: BudgetState
+
+
+@router.get("/dead-letters", response_model=JobsOut, responses=responses(422))
 async def dead_letters(
     svc: ServicesDep,
     who: CallerDep,
@@ -102,69 +126,67 @@ async def _dead_engine_ids(svc: Any, tenant: str, ids: list[str] | None) -> list
     return out
 
 
-@router.post("/dead-letters/redrive")
+@router.post("/dead-letters/redrive", responses=responses(404, 409, 422))
 async def redrive(body: IdsIn, svc: ServicesDep, who: AdminDep) -> dict[str, int]:
     """Run dead jobs again from their first attempt (admin)."""
     ids = await _dead_engine_ids(svc, who.tenant, body.ids)
     return {"redriven": await svc.queue.redrive(ids) if ids else 0}
 
 
-@router.post("/dead-letters/purge")
+@router.post("/dead-letters/purge", responses=responses(404, 409, 422))
 async def purge(body: IdsIn, svc: ServicesDep, who: AdminDep) -> dict[str, int]:
     """Delete dead jobs from the queue for good (admin); the store keeps their history."""
     ids = await _dead_engine_ids(svc, who.tenant, body.ids)
     return {"purged": await svc.queue.purge_dead(ids) if ids else 0}
 
 
-@router.get("/queue")
-async def queue_state(svc: ServicesDep, who: CallerDep) -> dict[str, Any]:
+@router.get("/queue", response_model=QueueOut)
+async def queue_state(svc: ServicesDep, who: CallerDep) -> QueueOut:
     """The queue's counts (jobs per state, counters since it began) and its flow controls."""
-    return {
-        "queue": svc.queue.name,
-        "counts": await svc.queue.counts(),
-        "flow": dataclasses.asdict(await svc.queue.flow()),
-    }
+    return QueueOut(queue=svc.queue.name, counts=await svc.queue.counts(), flow=await svc.queue.flow())
 
 
-@router.post("/queue/pause")
-async def pause(svc: ServicesDep, who: AdminDep) -> dict[str, Any]:
+@router.post("/queue/pause", response_model=FlowState)
+async def pause(svc: ServicesDep, who: AdminDep) -> FlowState:
     """Dispatch nothing until resumed; running jobs go on (admin)."""
     await svc.queue.pause()
-    return dataclasses.asdict(await svc.queue.flow())
+    return await svc.queue.flow()
 
 
-@router.post("/queue/resume")
-async def resume(svc: ServicesDep, who: AdminDep) -> dict[str, Any]:
+@router.post("/queue/resume", response_model=FlowState)
+async def resume(svc: ServicesDep, who: AdminDep) -> FlowState:
     """Undo a pause (admin)."""
     await svc.queue.resume()
-    return dataclasses.asdict(await svc.queue.flow())
+    return await svc.queue.flow()
 
 
-@router.post("/queue/throttle")
-async def throttle(body: ThrottleIn, svc: ServicesDep, who: AdminDep) -> dict[str, Any]:
+@router.post("/queue/throttle", response_model=FlowState, responses=responses(422))
+async def throttle(body: ThrottleIn, svc: ServicesDep, who: AdminDep) -> FlowState:
     """Dispatch nothing for ``seconds`` (admin); 0 lifts the throttle."""
     await svc.queue.throttle(body.seconds)
-    return dataclasses.asdict(await svc.queue.flow())
+    return await svc.queue.flow()
 
 
-@router.get("/budgets/{name}")
-async def budget(name: str, svc: ServicesDep, who: AdminDep) -> dict[str, Any]:
+@router.get("/budgets/{name}", response_model=BudgetState, responses=responses(404, 422))
+async def budget(name: BudgetPath, svc: ServicesDep, who: AdminDep) -> BudgetState:
     """A budget as it stands now (admin)."""
-    return dataclasses.asdict(await svc.queue.budgets.get(name))
+    return await svc.queue.budgets.get(name)
 
 
-@router.post("/budgets", status_code=201)
-async def create_budget(body: BudgetIn, svc: ServicesDep, who: AdminDep) -> dict[str, Any]:
-    """Create a budget (admin); 409 if it exists."""
+@router.post("/budgets", status_code=201, response_model=BudgetState, responses=responses(404, 409, 422))
+async def create_budget(body: BudgetIn, svc: ServicesDep, who: AdminDep) -> BudgetState:
+    """Create a budget (admin); 409 if it exists, 404 if its parent does not. The store keeps
+    a copy of it from now on (rebuilt from there if Redis loses it)."""
     try:
-        state = await svc.queue.budgets.create(body.name, body.limit, window=body.window, parent=body.parent)
+        made = await svc.queue.budgets.create(body.name, body.limit, window=body.window, parent=body.parent)
     except BudgetExists as exc:
         raise ApiError(409, str(exc), field="name") from None
-    return dataclasses.asdict(state)
+    await svc.ledger.remember(body.name)
+    return made
 
 
-@router.post("/budgets/{name}/credit")
-async def credit_budget(name: str, body: CreditIn, svc: ServicesDep, who: AdminDep) -> dict[str, Any]:
+@router.post("/budgets/{name}/credit", response_model=CreditOut, responses=responses(404, 422))
+async def credit_budget(name: BudgetPath, body: CreditIn, svc: ServicesDep, who: AdminDep) -> CreditOut:
     """A one-off credit to the budget's current window (admin); ``op_id`` makes a retry safe."""
     change = await svc.queue.budgets.credit(name, body.tokens, op_id=body.op_id)
-    return dataclasses.asdict(change) | {"state": dataclasses.asdict(await svc.queue.budgets.get(name))}
+    return CreditOut(**dataclasses.asdict(change), state=await svc.queue.budgets.get(name))

@@ -13,30 +13,45 @@ counters, with latency percentiles added.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
 from sluice.engine.backoff import Backoff
 from sluice.service.context import AdmittedDep, CallerDep, ServicesDep
-from sluice.service.errors import ApiError
-from sluice.service.schemas import ArqTaskIn
+from sluice.service.errors import ApiError, responses
+from sluice.service.schemas import ArqDeadTask, ArqEnqueued, ArqTaskIn, MetricsOut, PressureOut
 from sluice.service.submit import backoff_json, submit
 from sluice.store.jobs import NewJob
 
-router = APIRouter(tags=["compatibility: ArQueue"])
+router = APIRouter(tags=["compatibility: ArQueue"], responses=responses(401, 429, 503))
 
 #: ArQueue's retry delay: 2 s doubling, at most 60 s, +-10 %.
 ARQ_BACKOFF = Backoff("exponential", 2.0, 60.0, 0.1)
 
+#: The route reads its body itself (to answer 400 and 415 as ArQueue does, not 422), so
+#: FastAPI cannot see it: /openapi.json gets it from here.
+_ENQUEUE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": ArqTaskIn.model_json_schema()}},
+    }
+}
 
-@router.post("/enqueue", status_code=201)
+
+@router.post(
+    "/enqueue",
+    status_code=201,
+    response_model=ArqEnqueued,
+    openapi_extra=_ENQUEUE_BODY,
+    responses=responses(400, 413, 415),
+)
 async def arq_enqueue(
     request: Request, svc: ServicesDep, who: CallerDep, _admitted: AdmittedDep
-) -> dict[str, Any]:
+) -> ArqEnqueued:
     """Enqueue a task (ArQueue design): 201 ``{taskId, queueLength, requestId}``."""
-    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
         raise ApiError(415, "Unsupported Media Type: use application/json")
     try:
         body = ArqTaskIn.model_validate_json(await request.body())
@@ -59,65 +74,65 @@ async def arq_enqueue(
         idempotency_key=body.idempotencyKey,
         correlation_id=request.state.request_id,
     )
-    stored, _ = await submit(svc.queue, svc.store, new)
+    stored, _ = await submit(svc.queue, svc.store, new, svc.ledger)
     depth = (await svc.queue.counts())["waiting"]
-    return {"taskId": str(stored.id), "queueLength": depth, "requestId": request.state.request_id}
+    return ArqEnqueued(taskId=str(stored.id), queueLength=depth, requestId=request.state.request_id)
 
 
-@router.get("/dead_letter")
+@router.get("/dead_letter", response_model=list[ArqDeadTask], responses=responses(422))
 async def arq_dead_letter(
     svc: ServicesDep, who: CallerDep, limit: Annotated[int, Query(ge=1)] = 50
-) -> list[dict[str, Any]]:
+) -> list[ArqDeadTask]:
     """Dead-lettered tasks, newest first (at most 100), in ArQueue's shape."""
     page = await svc.store.list_jobs(who.tenant, status="DEAD_LETTER", limit=min(limit, 100))
     return [
-        {
-            "id": str(j.id),
-            "type": j.type,
-            "payload": j.payload,
-            "retries": max(j.attempts - 1, 0),
-            "maxRetries": j.max_attempts - 1,
-            "lastError": j.error,
-            "createdAt": int(j.created_at.timestamp() * 1000),
-            "startedAt": int(j.processed_at.timestamp() * 1000) if j.processed_at else None,
-        }
+        ArqDeadTask(
+            id=str(j.id),
+            type=j.type,
+            payload=j.payload,
+            retries=max(j.attempts - 1, 0),
+            maxRetries=j.max_attempts - 1,
+            lastError=j.error,
+            createdAt=int(j.created_at.timestamp() * 1000),
+            startedAt=int(j.processed_at.timestamp() * 1000) if j.processed_at else None,
+        )
         for j in page.jobs
     ]
 
 
-@router.get("/pressure")
-async def pressure(svc: ServicesDep, who: CallerDep) -> dict[str, Any]:
+@router.get("/pressure", response_model=PressureOut)
+async def pressure(svc: ServicesDep, who: CallerDep) -> PressureOut:
     """The backlog against its limits: ``score`` above 1 means submissions get 429."""
     p = await svc.pressure.read()
-    return {
-        "score": p.score,
-        "refusing": p.refusing,
-        "depth": p.depth,
-        "drainRatePerSecond": p.drain_rate,
-        "backlogSeconds": p.backlog_seconds,
-        "maxBacklogSeconds": svc.pressure.max_backlog_seconds,
-        "maxDepth": svc.pressure.max_depth,
-        "retryAfterSeconds": p.retry_after if p.refusing else None,
-    }
+    return PressureOut(
+        score=p.score,
+        refusing=p.refusing,
+        depth=p.depth,
+        drainRatePerSecond=p.drain_rate,
+        backlogSeconds=p.backlog_seconds,
+        maxBacklogSeconds=svc.pressure.max_backlog_seconds,
+        maxDepth=svc.pressure.max_depth,
+        retryAfterSeconds=p.retry_after if p.refusing else None,
+    )
 
 
-@router.get("/metrics")
-async def metrics(svc: ServicesDep, who: CallerDep) -> dict[str, Any]:
+@router.get("/metrics", response_model=MetricsOut)
+async def metrics(svc: ServicesDep, who: CallerDep) -> MetricsOut:
     """Queue counters in ArQueue's names, and p50/p95/p99 (ms) of queue wait, processing and
     end-to-end time over the last 1,000 jobs the store saw complete."""
     c = await svc.queue.counts()
     workers = await svc.queue.workers()
     latency = await svc.store.latency_percentiles(who.tenant, last=1000)
-    return {
-        "concurrency": sum(w.concurrency or 0 for w in workers),
-        "active_loops": c["active"],
-        "total_jobs_in_queue": c["waiting"],
-        "jobs_done": c["completed"],
-        "jobs_failed": c["failed"],
-        "jobs_retried": c["retried"],
-        "queue_pending": c["waiting"],
-        "queue_processing": c["active"],
-        "queue_dead_letter": c["dead"],
-        "queue_delayed": c["delayed"],
-        "latency_ms": latency,
-    }
+    return MetricsOut(
+        concurrency=sum(w.concurrency or 0 for w in workers),
+        active_loops=c["active"],
+        total_jobs_in_queue=c["waiting"],
+        jobs_done=c["completed"],
+        jobs_failed=c["failed"],
+        jobs_retried=c["retried"],
+        queue_pending=c["waiting"],
+        queue_processing=c["active"],
+        queue_dead_letter=c["dead"],
+        queue_delayed=c["delayed"],
+        latency_ms=latency,
+    )

@@ -12,13 +12,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from sluice.service.context import AdmittedDep, CallerDep, ServicesDep
-from sluice.service.errors import ApiError
+from sluice.service.errors import ApiError, responses
 from sluice.service.routes_v1 import parse_id
-from sluice.service.schemas import ErrorOut, NestJobIn, NestJobOut
+from sluice.service.schemas import NestJobIn, NestJobOut
 from sluice.service.submit import NEST_BACKOFF, backoff_json, submit
 from sluice.store.jobs import NewJob, StoredJob
 
-router = APIRouter(tags=["compatibility: NestJS job service"], responses={422: {"model": ErrorOut}})
+router = APIRouter(tags=["compatibility: NestJS job service"], responses=responses(401, 413, 422, 429, 503))
 
 
 def nest_out(job: StoredJob) -> NestJobOut:
@@ -57,11 +57,11 @@ async def nest_create(
         idempotency_key=body.idempotencyKey,
         correlation_id=request.state.request_id,
     )
-    stored, _ = await submit(svc.queue, svc.store, new)
+    stored, _ = await submit(svc.queue, svc.store, new, svc.ledger)
     return nest_out(stored)
 
 
-@router.get("/jobs/{job_id}", response_model=NestJobOut, responses={404: {"model": ErrorOut}})
+@router.get("/jobs/{job_id}", response_model=NestJobOut, responses=responses(404))
 async def nest_get(job_id: str, svc: ServicesDep, who: CallerDep) -> NestJobOut:
     """A job by id (NestJS design): 404 if it does not exist or is another tenant's."""
     job = await svc.store.get(parse_id(job_id), tenant=who.tenant)

@@ -9,15 +9,13 @@ from fastapi import APIRouter, Query, Request, Response
 
 from sluice.engine.backoff import DEFAULT_BACKOFF
 from sluice.service.context import AdmittedDep, CallerDep, ServicesDep
-from sluice.service.errors import ApiError
-from sluice.service.schemas import AttemptOut, ErrorOut, JobIn, JobOut, JobsIn, JobsOut
+from sluice.service.errors import ENGINE_ERRORS, ApiError, engine_error, responses
+from sluice.service.schemas import AttemptOut, JobIn, JobOut, JobsIn, JobsOut
 from sluice.service.submit import backoff_json, submit
 from sluice.store.jobs import FINAL, STATUSES, NewJob, StoredJob
 from sluice.store.sink import engine_key
 
-router = APIRouter(
-    prefix="/v1", tags=["jobs"], responses={422: {"model": ErrorOut}, 404: {"model": ErrorOut}}
-)
+router = APIRouter(prefix="/v1", tags=["jobs"], responses=responses(401, 404, 413, 422, 429, 503))
 
 
 def job_out(job: StoredJob, *, created: bool | None = None, attempts: bool = False) -> JobOut:
@@ -72,7 +70,13 @@ def new_job(body: JobIn, tenant: str, queue: str, correlation_id: str | None) ->
     )
 
 
-@router.post("/jobs", status_code=201, response_model=JobOut, response_model_exclude_none=False)
+@router.post(
+    "/jobs",
+    status_code=201,
+    response_model=JobOut,
+    response_model_exclude_none=False,
+    responses={200: {"model": JobOut, "description": "The earlier job with this idempotency key"}},
+)
 async def create_job(
     body: JobIn,
     request: Request,
@@ -85,7 +89,7 @@ async def create_job(
     job (``created: false``), with 200."""
     correlation = request.state.request_id
     stored, created = await submit(
-        svc.queue, svc.store, new_job(body, who.tenant, svc.settings.queue, correlation)
+        svc.queue, svc.store, new_job(body, who.tenant, svc.settings.queue, correlation), svc.ledger
     )
     if not created:
         response.status_code = 200
@@ -103,14 +107,14 @@ async def create_jobs(
     for i, item in enumerate(body.jobs):
         try:
             stored, created = await submit(
-                svc.queue, svc.store, new_job(item, who.tenant, svc.settings.queue, correlation)
+                svc.queue, svc.store, new_job(item, who.tenant, svc.settings.queue, correlation), svc.ledger
             )
-        except ApiError:
-            raise
-        except Exception as exc:
-            raise ApiError(
-                422, f"jobs[{i}]: {exc}; the jobs before it were accepted", field=f"jobs.{i}"
-            ) from exc
+        except ENGINE_ERRORS as exc:
+            # The status POST /v1/jobs would answer for this job; the message says which it was.
+            err = engine_error(exc)
+            field = f"jobs.{i}.{err.field}" if err.field else f"jobs.{i}"
+            message = f"jobs[{i}]: {err.message}; the jobs before it were accepted"
+            raise ApiError(err.status, message, code=err.code, field=field, headers=err.headers) from exc
         out.append(job_out(stored, created=created))
     return JobsOut(jobs=out, next_cursor=None)
 
@@ -143,7 +147,7 @@ async def list_jobs(
     return JobsOut(jobs=[job_out(j) for j in page.jobs], next_cursor=page.next_cursor)
 
 
-@router.post("/jobs/{job_id}/cancel", response_model=JobOut)
+@router.post("/jobs/{job_id}/cancel", response_model=JobOut, responses=responses(409))
 async def cancel_job(job_id: str, svc: ServicesDep, who: CallerDep) -> JobOut:
     """Cancel a job: at once if it waits, at its next lease renewal if it runs. A finished job
     is a 409."""

@@ -1,7 +1,9 @@
 """Request and response bodies (pydantic), for our ``/v1`` routes and the compatibility routes.
 
 Every request model forbids fields it does not know: a typo is a 422 that
-names the field, not a setting silently ignored. ``/v1`` uses snake_case and
+names the field, not a setting silently ignored. A number field takes JSON
+numbers only: ``true`` or ``"5"`` is a 422 too, not taken for 1 or 5, so the
+service takes what /openapi.json describes and nothing else. ``/v1`` uses snake_case and
 the engine's meaning of priority (0 runs first); the compatibility models
 keep the reference designs' names, defaults and priorities exactly.
 """
@@ -11,13 +13,68 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+from pydantic_core import PydanticCustomError
 
+from sluice.engine.codec import encode
 from sluice.engine.job import MAX_ATTEMPTS, MAX_PRIORITY, MAX_TOKENS
+from sluice.errors import PayloadNotSerializable
+
+
+def json_number(value: object) -> object:
+    """Pydantic's lax mode takes ``true`` for 1 and ``"5"`` for 5; JSON Schema's numbers do not
+    (and its integers include 5.0, which strict mode refuses, so lax mode with this check)."""
+    if isinstance(value, bool | str):
+        got = "a boolean" if isinstance(value, bool) else "a string"
+        raise PydanticCustomError("number_type", "Input should be a number, not {got}", {"got": got})
+    return value
+
+
+def _carried(payload: dict[str, Any]) -> dict[str, Any]:
+    """A payload the queue can carry and the store can keep, checked before the job is stored.
+
+    JSON allows what the engine (integers past 64 bits, lone surrogates) or PostgreSQL (NUL in
+    a string) cannot take. Refused only when it was enqueued, the job was stored all the same:
+    QUEUED for good, and the reconciler's passes failed at it again and again.
+    """
+    try:
+        encode(payload)
+    except PayloadNotSerializable as exc:
+        raise PydanticCustomError(
+            "payload_type",
+            "Input should be JSON the queue can carry ({reason}); integers may have 64 bits at most",
+            {"reason": str(exc.__cause__ or exc)},
+        ) from None
+    if _holds_nul(payload):
+        raise PydanticCustomError("payload_nul", "Input should hold no NUL character (\\u0000)")
+    return payload
+
+
+def _holds_nul(value: object) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any("\x00" in k or _holds_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_nul(v) for v in value)
+    return False
+
+
+#: Integers and numbers as JSON Schema means them.
+Int = Annotated[int, BeforeValidator(json_number)]
+Float = Annotated[float, BeforeValidator(json_number)]
+Payload = Annotated[
+    dict[str, Any],
+    AfterValidator(_carried),
+    Field(description="Handed to the handler as JSON (integers of 64 bits at most, no NUL in strings)"),
+]
 
 JobType = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,100}$")]
-BudgetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,100}$")]
-IdempotencyKey = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+#: A budget's name, as the engine takes it (the pattern for a path parameter too).
+BUDGET_NAME = r"^[A-Za-z0-9_.:-]{1,100}$"
+BudgetName = Annotated[str, StringConstraints(pattern=BUDGET_NAME)]
+#: Any text but NUL, which PostgreSQL cannot keep.
+IdempotencyKey = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\u0000]*$")]
 
 
 class _Strict(BaseModel):
@@ -28,15 +85,23 @@ class _Strict(BaseModel):
 class JobIn(_Strict):
     """A job to run."""
 
+    # The engine's rule, in the schema too: a job that spends from a budget brings an estimate.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"required": ["budget"], "properties": {"budget": {"type": "string"}}},
+            "then": {"required": ["tokens"], "properties": {"tokens": {"minimum": 1}}},
+        }
+    )
+
     type: JobType = Field(description="The handler that runs it (e.g. generic, email, llm-inference)")
-    payload: dict[str, Any] = Field(default_factory=dict, description="Handed to the handler as JSON")
-    priority: int = Field(0, ge=0, le=MAX_PRIORITY, description="0 runs first; FIFO among equals")
-    max_attempts: int = Field(3, ge=1, le=MAX_ATTEMPTS)
-    delay_ms: int = Field(0, ge=0, le=366 * 86_400_000, description="Run no sooner than this from now")
+    payload: Payload = Field(default_factory=dict)
+    priority: Int = Field(0, ge=0, le=MAX_PRIORITY, description="0 runs first; FIFO among equals")
+    max_attempts: Int = Field(3, ge=1, le=MAX_ATTEMPTS)
+    delay_ms: Int = Field(0, ge=0, le=366 * 86_400_000, description="Run no sooner than this from now")
     idempotency_key: IdempotencyKey | None = Field(
         None, description="A second job with this key (same tenant) returns the first"
     )
-    tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="Token estimate (prompt + max output)")
+    tokens: Int = Field(0, ge=0, le=MAX_TOKENS, description="Token estimate (prompt + max output)")
     budget: BudgetName | None = Field(None, description="The budget it spends from (needs tokens >= 1)")
 
 
@@ -84,11 +149,19 @@ class JobsOut(BaseModel):
     next_cursor: str | None
 
 
+class FieldError(BaseModel):
+    field: str
+    message: str
+    type: str
+
+
 class ErrorDetail(BaseModel):
     status: int
     code: str
     message: str
     field: str | None = None
+    #: every invalid field (422 for a body or parameter that breaks the schema)
+    details: list[FieldError] | None = None
 
 
 class ErrorOut(BaseModel):
@@ -104,11 +177,11 @@ NEST_PRIORITIES = {1: "CRITICAL", 5: "HIGH", 10: "NORMAL", 20: "LOW"}
 
 class NestJobIn(_Strict):
     type: JobType
-    payload: dict[str, Any]
+    payload: Payload
     idempotencyKey: IdempotencyKey | None = None  # noqa: N815
-    priority: Literal[1, 5, 10, 20] = 10
-    maxAttempts: int = Field(10, ge=1, le=MAX_ATTEMPTS)  # noqa: N815
-    delay: int = Field(0, ge=0, le=366 * 86_400_000, description="ms")
+    priority: Annotated[Literal[1, 5, 10, 20], BeforeValidator(json_number)] = 10
+    maxAttempts: Int = Field(10, ge=1, le=MAX_ATTEMPTS)  # noqa: N815
+    delay: Int = Field(0, ge=0, le=366 * 86_400_000, description="ms")
 
 
 class NestJobOut(BaseModel):
@@ -131,6 +204,51 @@ class NestJobOut(BaseModel):
 # ---- ArQueue (POST /enqueue) ------------------------------------------------------------------------------
 class ArqTaskIn(_Strict):
     type: JobType
-    payload: dict[str, Any]
-    maxRetries: int = Field(3, ge=0, le=10)  # noqa: N815
+    payload: Payload
+    maxRetries: Int = Field(3, ge=0, le=10)  # noqa: N815
     idempotencyKey: IdempotencyKey | None = None  # noqa: N815
+
+
+class ArqEnqueued(BaseModel):
+    taskId: str  # noqa: N815
+    #: jobs waiting in the queue now
+    queueLength: int  # noqa: N815
+    requestId: str  # noqa: N815
+
+
+class ArqDeadTask(BaseModel):
+    id: str
+    type: str
+    payload: Any
+    retries: int
+    maxRetries: int  # noqa: N815
+    lastError: str | None  # noqa: N815
+    #: Unix ms
+    createdAt: int  # noqa: N815
+    startedAt: int | None  # noqa: N815
+
+
+class PressureOut(BaseModel):
+    score: float
+    refusing: bool
+    depth: int
+    drainRatePerSecond: float  # noqa: N815
+    backlogSeconds: float | None  # noqa: N815
+    maxBacklogSeconds: float  # noqa: N815
+    maxDepth: int  # noqa: N815
+    retryAfterSeconds: int | None  # noqa: N815
+
+
+class MetricsOut(BaseModel):
+    concurrency: int
+    active_loops: int
+    total_jobs_in_queue: int
+    jobs_done: int
+    jobs_failed: int
+    jobs_retried: int
+    queue_pending: int
+    queue_processing: int
+    queue_dead_letter: int
+    queue_delayed: int
+    #: queue_wait, processing, end_to_end: {p50, p95, p99} in ms; sample: {jobs}
+    latency_ms: dict[str, dict[str, float | None]]

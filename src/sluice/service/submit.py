@@ -13,6 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from sluice.engine.backoff import Backoff
+from sluice.engine.codec import encode_limited
 from sluice.engine.job import JobSpec
 from sluice.errors import BudgetNotFound, RedisUnavailable
 from sluice.store.jobs import NewJob, StoredJob
@@ -21,6 +22,7 @@ from sluice.store.sink import engine_key
 if TYPE_CHECKING:
     from sluice.engine.queue import Queue
     from sluice.store.jobs import JobStore
+    from sluice.store.ledger import BudgetLedger
 
 log = logging.getLogger("sluice.service")
 
@@ -66,17 +68,27 @@ async def enqueue(queue: Queue, job: StoredJob) -> str:
     return added.id
 
 
-async def submit(queue: Queue, store: JobStore, new: NewJob) -> tuple[StoredJob, bool]:
+async def submit(
+    queue: Queue, store: JobStore, new: NewJob, ledger: BudgetLedger | None = None
+) -> tuple[StoredJob, bool]:
     """Store then enqueue one job; returns it and whether this call created it.
 
-    A job whose budget does not exist is refused before anything is written.
+    A job whose budget does not exist is refused before anything is written;
+    one that Redis lost but the store has a copy of is rebuilt first (``ledger``).
     If Redis is down after the row is written, the job stays QUEUED in the
     store and the reconciler enqueues it when Redis is back: the answer is
     still 201, because the job is kept.
     """
     spec_of(new)  # the engine's checks, before anything is written
-    if new.budget is not None and (await queue.budgets.get_many([new.budget]))[0] is None:
-        raise BudgetNotFound(new.budget)
+    encode_limited(new.payload, queue.max_payload_bytes)  # a payload the queue would refuse
+    if new.budget is not None:
+        found = (await queue.budgets.get_many([new.budget]))[0]
+        if found is None and ledger is not None and new.budget in await ledger.restore_missing():
+            found = (await queue.budgets.get_many([new.budget]))[0]
+        if found is None:
+            raise BudgetNotFound(new.budget)
+        if ledger is not None:
+            await ledger.remember(new.budget)
     stored, created = await store.create(new)
     if created:
         try:

@@ -41,6 +41,28 @@ STATUSES = (
 FINAL = frozenset({"COMPLETED", "DEAD_LETTER", "CANCELLED", "REJECTED", "EXHAUSTED"})
 #: Most jobs one list call returns.
 MAX_PAGE = 500
+#: The integers the engine's JSON (orjson) carries: int64 and uint64.
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
+
+
+def _as_sent(value: Any) -> Any:
+    """A JSON value read back from jsonb, with its big numbers as they were sent.
+
+    jsonb keeps a number's value, not its spelling: ``4.5e23`` comes back as
+    ``450000000000000000000000``, an integer no 64-bit type holds, which the
+    engine cannot encode (the job would be stored and never enqueued). The API
+    takes no integer that large, so such a number was a float, and is one again.
+    Unchanged values are returned as they are (no copy).
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if _INT_MIN <= value <= _INT_MAX else float(value)
+    if isinstance(value, dict):
+        items = {k: _as_sent(v) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
+    if isinstance(value, list):
+        elements = [_as_sent(v) for v in value]
+        return value if all(a is b for a, b in zip(elements, value, strict=True)) else elements
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +135,8 @@ class StoredJob:
             priority=row.priority,
             attempts=row.attempts,
             max_attempts=row.max_attempts,
-            payload=row.payload,
-            result=row.result,
+            payload=_as_sent(row.payload),
+            result=_as_sent(row.result),
             error=row.error,
             idempotency_key=row.idempotency_key,
             correlation_id=row.correlation_id,
@@ -228,6 +250,8 @@ class JobStore:
         """A tenant's jobs, newest first, filtered; ``cursor`` continues a previous page."""
         if not 1 <= limit <= MAX_PAGE:
             raise InvalidJobError(f"limit must be from 1 to {MAX_PAGE}, got {limit}")
+        if any("\x00" in f for f in (status, type, queue) if f is not None):
+            return Page([], None)  # no job has one (PostgreSQL cannot keep NUL, nor compare it)
         query = select(JobRow).where(JobRow.tenant == tenant)
         if status is not None:
             query = query.where(JobRow.status == status)
