@@ -326,6 +326,150 @@ def scale(
     save_json(json_path, data)
 
 
+@bench_app.command("ingest")
+def ingest(
+    rates: Annotated[
+        list[float] | None,
+        typer.Option(
+            "--rate", "-r", min=1, help="Submissions/s offered, a constant arrival rate (repeatable)."
+        ),
+    ] = None,
+    seconds: Annotated[float, typer.Option(min=1, help="Seconds at each rate.")] = 60.0,
+    api_processes: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--api-processes", "-p", min=1, max=16, help="sluice serve -p N, each measured (repeatable)."
+        ),
+    ] = None,
+    route: Annotated[str, typer.Option(help="The route loaded: /jobs, /v1/jobs or /enqueue.")] = "/jobs",
+    generators: Annotated[
+        int, typer.Option(min=1, max=16, help="Load generator processes sharing each rate.")
+    ] = 1,
+    client: Annotated[
+        str, typer.Option(help="raw (the generator's own HTTP/1.1 client) or httpx (costs more CPU).")
+    ] = "raw",
+    timeout: Annotated[
+        float, typer.Option(min=0.1, help="A request unanswered this long after it was due is an error.")
+    ] = 10.0,
+    warmup: Annotated[
+        float, typer.Option(min=0, help="Seconds at 50/s before the measured rates (not counted).")
+    ] = 3.0,
+    keep_going: Annotated[
+        bool,
+        typer.Option(help="Run every rate after one is saturated (default: only the target's, 1,500/s)."),
+    ] = False,
+    race: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--race", min=0, max=20_000, help="Concurrent duplicates of one key (repeatable; 0: none)."
+        ),
+    ] = None,
+    drain_jobs: Annotated[
+        int, typer.Option(min=0, max=1_000_000, help="Jobs drained with the store and without (0: skip).")
+    ] = 20_000,
+    drain_workers: Annotated[int, typer.Option(min=1, max=16, help="Worker processes of the drain.")] = 2,
+    drain_concurrency: Annotated[int, typer.Option(min=1, help="Jobs at once per worker process.")] = 50,
+    drain_api_processes: Annotated[
+        int | None,
+        typer.Option(min=1, max=16, help="API processes (sinks) during the drain (default: the largest -p)."),
+    ] = None,
+    drain_worker: Annotated[
+        str,
+        typer.Option(
+            help="The drain's worker (default: the service's job types with the API's events stream "
+            "length; sluice.service.handlers:worker trims the stream to 10,000)."
+        ),
+    ] = "sluice.lab.ingest_worker:worker",
+    durable: Annotated[
+        bool,
+        typer.Option(help="The embedded PostgreSQL fsyncs its commits, as a production server does."),
+    ] = True,
+    redis: RedisOpt = None,
+    database: Annotated[
+        str | None,
+        typer.Option(
+            help="PostgreSQL URL (default $SLUICE_DATABASE_URL, else a throw-away embedded server)."
+        ),
+    ] = None,
+    logs: Annotated[
+        Path | None, typer.Option(help="Keep the API servers' and workers' logs in this folder.")
+    ] = None,
+    json_path: JsonOpt = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write the latency PNG here (default: next to --json, as .png).")
+    ] = None,
+) -> None:
+    """The HTTP service under load: sustained submissions, the idempotency race, drain with the store.
+
+    Runs `sluice serve -p N` against Redis and PostgreSQL (throw-away servers
+    unless given), makes an API key, and loads POST /jobs from separate
+    generator processes at a constant arrival rate (an open model: latency
+    counts from each request's due time). No worker runs meanwhile. Then N
+    identical submissions of one idempotency key at once (one job, only 201s),
+    and a drain by worker processes with the API's sink keeping the store up
+    to date, against the same jobs drained by the engine alone.
+    """
+    from sluice.lab.common import bench_redis, machine_meta
+    from sluice.lab.ingest import (
+        DEFAULT_API_PROCESSES,
+        DEFAULT_RACES,
+        DEFAULT_RATES,
+        IngestSpec,
+        bench_database,
+        run_ingest,
+    )
+    from sluice.lab.ingest_report import drain_table, ingest_table, race_table, targets_table, write_plot
+
+    try:
+        spec = IngestSpec(
+            rates=tuple(rates or DEFAULT_RATES),
+            seconds=seconds,
+            api_processes=tuple(api_processes or DEFAULT_API_PROCESSES),
+            route=route,
+            generators=generators,
+            client=client,
+            timeout=timeout,
+            warmup_seconds=warmup,
+            stop_when_saturated=not keep_going,
+            races=tuple(n for n in (race if race is not None else DEFAULT_RACES) if n > 0),
+            drain_jobs=drain_jobs,
+            drain_workers=drain_workers,
+            drain_concurrency=drain_concurrency,
+            drain_api_processes=drain_api_processes,
+            drain_worker=drain_worker,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+    async def go(url: str, origin: str, log_dir: Path) -> dict[str, Any]:
+        client = connect(url)
+        try:
+            meta = await machine_meta(client, url, origin)
+            with bench_database(database, durable=durable) as db, console.status("starting") as status:
+                meta["database"] = db.origin
+                result = await run_ingest(client, url, db, spec, log_dir, status.update)
+        finally:
+            await client.aclose()
+        return {"meta": meta, **result}
+
+    with bench_redis(redis) as (url, origin), tempfile.TemporaryDirectory(prefix="sluice-bench-logs-") as tmp:
+        log_dir = logs or Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        data = run(go(url, origin, log_dir))
+    console.print(ingest_table(data))
+    if data["race"]:
+        console.print(race_table(data))
+    drained = drain_table(data)
+    if drained is not None:
+        console.print(drained)
+    console.print(targets_table(data))
+    save_json(json_path, data)
+    if plot is None and json_path is not None:
+        plot = json_path.with_suffix(".png")
+    if plot is not None:
+        console.print(f"[dim]wrote {write_plot(data, plot)}[/dim]")
+
+
 def print_warnings(result: dict[str, Any]) -> None:
     for warning in result.get("warnings") or []:
         console.print(f"[yellow]warning:[/yellow] {warning[:500]}")
