@@ -296,3 +296,23 @@ async def test_concurrent_duplicates_make_one_job(api: Running) -> None:
     assert len({job_id for _, job_id in answers}) == 1
     assert (await api.svc.queue.counts())["added"] == 1
     assert (await api.svc.store.counts()) == {"QUEUED": 1}
+
+
+async def test_submissions_that_arrive_together_are_written_together(api: Running) -> None:
+    # 200 submissions at once: 50 keys, each sent 4 times, so duplicates share batches too
+    async def send(i: int) -> dict[str, Any]:
+        body = {"type": "generic", "payload": {"i": i % 50}, "idempotency_key": f"k{i % 50}"}
+        resp = await api.client.post("/v1/jobs", json=body)
+        assert resp.status_code in (200, 201), resp.text
+        return dict(resp.json())
+
+    answers = await asyncio.gather(*(send(i) for i in range(200)))
+    intake = api.svc.intake
+    assert intake.jobs == 200 and intake.batches < 50  # written in a few statements, not 200
+    by_key: dict[str, set[str]] = {}
+    for a in answers:
+        by_key.setdefault(a["idempotency_key"], set()).add(a["id"])
+    assert all(len(ids) == 1 for ids in by_key.values()) and len(by_key) == 50
+    assert sum(a["created"] for a in answers) == 50  # one creator per key
+    assert (await api.svc.queue.counts())["added"] == 50
+    assert sum((await api.svc.store.counts("default")).values()) == 50

@@ -31,7 +31,7 @@ from sluice.service.routes_admin import router as admin_router
 from sluice.service.routes_arqueue import router as arqueue_router
 from sluice.service.routes_compat import router as compat_router
 from sluice.service.routes_v1 import router as v1_router
-from sluice.service.submit import enqueue
+from sluice.service.submit import Intake, enqueue
 from sluice.store.database import Database
 from sluice.store.jobs import JobStore
 from sluice.store.keys import KeyStore
@@ -74,8 +74,9 @@ def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
                 queue.redis, settings.prefix, rate=settings.rate_limit, burst=settings.rate_burst
             )
             ledger = BudgetLedger(queue, db, interval=settings.budget_copy_interval)
+            intake = Intake(queue, store, ledger)
             app.state.services = Services(
-                settings, auth, queue, db, store, KeyStore(db), gauge, limiter, ledger
+                settings, auth, queue, db, store, KeyStore(db), gauge, limiter, ledger, intake
             )
             if settings.sink:
                 consumer = f"{socket.gethostname()}:{os.getpid()}"
@@ -110,6 +111,9 @@ def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
         version=VERSION,
         description="A budget-aware job queue for LLM workloads: jobs, budgets and queues over HTTP.",
         lifespan=lifespan,
+        # FastAPI's native OpenTelemetry looks up its providers on every request (a few percent of
+        # the API's CPU at full load) even when none is configured; metrics are Prometheus's.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
         responses=errors.responses(413),
     )
     errors.install(app)

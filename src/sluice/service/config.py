@@ -12,6 +12,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sluice.settings import DEFAULT_PREFIX
 
+#: The engine events stream's length in service mode: the transition sink must read an event
+#: before the stream's trimming passes it. Workers of the service's queue trim to it as well.
+EVENTS_MAXLEN = 500_000
+
 
 class ServiceSettings(BaseSettings):
     """``SLUICE_*`` variables of ``sluice serve`` and ``sluice dev``.
@@ -29,7 +33,7 @@ class ServiceSettings(BaseSettings):
     max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body accepted (413 beyond)")
     #: The engine events stream's length in service mode: the sink must read an event before
     #: the stream's trimming passes it (the reconciler catches up on what it missed).
-    events_maxlen: int = Field(500_000, ge=10_000)
+    events_maxlen: int = Field(EVENTS_MAXLEN, ge=10_000)
     #: Run the transition sink and the reconciler in this process.
     sink: bool = True
     #: Seconds a QUEUED job may be missing from Redis before the reconciler enqueues it again.

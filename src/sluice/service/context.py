@@ -17,6 +17,7 @@ from sluice.store.keys import ApiKey, KeyStore, digest
 if TYPE_CHECKING:
     from sluice.engine.queue import Queue
     from sluice.service.config import ServiceSettings
+    from sluice.service.submit import Intake
     from sluice.store.database import Database
     from sluice.store.jobs import JobStore
     from sluice.store.ledger import BudgetLedger
@@ -39,6 +40,7 @@ class Services:
     pressure: PressureGauge
     limiter: RateLimiter
     ledger: BudgetLedger
+    intake: Intake
     #: digest -> (key or None, when the answer was read): a revoked key works for at most
     #: KEY_CACHE_SECONDS more, and a request costs no database read
     key_cache: dict[str, tuple[ApiKey | None, float]] = field(default_factory=dict)
@@ -52,7 +54,8 @@ class Caller:
     admin: bool
 
 
-def services(request: Request) -> Services:
+async def services(request: Request) -> Services:
+    # async: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop per use
     found: Services | None = getattr(request.app.state, "services", None)
     if found is None:
         raise ApiError(503, "the service is starting; try again shortly")

@@ -19,6 +19,7 @@ from typing import Any
 from sluice.engine.context import JobContext
 from sluice.engine.worker import Worker
 from sluice.errors import PermanentError
+from sluice.service.config import EVENTS_MAXLEN
 from sluice.settings import DEFAULT_PREFIX
 
 log = logging.getLogger("sluice.jobs")
@@ -86,10 +87,21 @@ async def llm_inference(job: JobContext) -> dict[str, Any]:
 
 
 def service_worker(
-    queue: str = "jobs", *, prefix: str = DEFAULT_PREFIX, concurrency: int = 20, **options: Any
+    queue: str = "jobs",
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    concurrency: int = 20,
+    events_maxlen: int = EVENTS_MAXLEN,
+    **options: Any,
 ) -> Worker:
-    """A worker for the service's queue with the built-in job types registered."""
-    worker = Worker(queue, prefix=prefix, concurrency=concurrency, **options)
+    """A worker for the service's queue with the built-in job types registered.
+
+    It keeps the events stream as long as the API does: a worker trimming to
+    the engine's default (10,000) would cut events the transition sink has
+    not read yet during a fast drain, and those jobs would reach the store
+    only through the reconciler.
+    """
+    worker = Worker(queue, prefix=prefix, concurrency=concurrency, events_maxlen=events_maxlen, **options)
     worker.handler(name="generic")(generic)
     worker.handler(name="email")(email)
     worker.handler(name="send_email")(email)

@@ -14,6 +14,7 @@ of them agree within a second.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from dataclasses import dataclass
@@ -44,12 +45,23 @@ class PressureGauge:
         self._last: tuple[float, int] | None = None
         self._rate = 0.0
         self._cached: tuple[float, Pressure] | None = None
+        self._reading: asyncio.Task[Pressure] | None = None
 
     async def read(self) -> Pressure:
-        """The queue's pressure now (remembered for a second: a check per request costs nothing)."""
-        now = time.monotonic()
-        if self._cached is not None and now - self._cached[0] < 1.0:
+        """The queue's pressure now (remembered for a second: a check per request costs nothing;
+        the requests that arrive while it is read wait for that one reading)."""
+        if self._cached is not None and time.monotonic() - self._cached[0] < 1.0:
             return self._cached[1]
+        if self._reading is None:
+            self._reading = asyncio.create_task(self._read())
+            self._reading.add_done_callback(self._read_done)
+        return await asyncio.shield(self._reading)
+
+    def _read_done(self, _task: asyncio.Task[Pressure]) -> None:
+        self._reading = None
+
+    async def _read(self) -> Pressure:
+        now = time.monotonic()
         counts = await self.queue.counts()
         depth = counts["waiting"] + counts["parked"]
         done = counts["completed"] + counts["dead_total"] + counts["cancelled"]

@@ -22,7 +22,7 @@ from sluice.engine.backoff import Backoff
 from sluice.service.context import AdmittedDep, CallerDep, ServicesDep
 from sluice.service.errors import ApiError, responses
 from sluice.service.schemas import ArqDeadTask, ArqEnqueued, ArqTaskIn, MetricsOut, PressureOut
-from sluice.service.submit import backoff_json, submit
+from sluice.service.submit import backoff_json
 from sluice.store.jobs import NewJob
 
 router = APIRouter(tags=["compatibility: ArQueue"], responses=responses(401, 429, 503))
@@ -74,7 +74,7 @@ async def arq_enqueue(
         idempotency_key=body.idempotencyKey,
         correlation_id=request.state.request_id,
     )
-    stored, _ = await submit(svc.queue, svc.store, new, svc.ledger)
+    stored, _ = await svc.intake.submit(new)
     depth = (await svc.queue.counts())["waiting"]
     return ArqEnqueued(taskId=str(stored.id), queueLength=depth, requestId=request.state.request_id)
 

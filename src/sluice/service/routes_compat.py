@@ -15,7 +15,7 @@ from sluice.service.context import AdmittedDep, CallerDep, ServicesDep
 from sluice.service.errors import ApiError, responses
 from sluice.service.routes_v1 import parse_id
 from sluice.service.schemas import NestJobIn, NestJobOut
-from sluice.service.submit import NEST_BACKOFF, backoff_json, submit
+from sluice.service.submit import NEST_BACKOFF, backoff_json
 from sluice.store.jobs import NewJob, StoredJob
 
 router = APIRouter(tags=["compatibility: NestJS job service"], responses=responses(401, 413, 422, 429, 503))
@@ -57,7 +57,7 @@ async def nest_create(
         idempotency_key=body.idempotencyKey,
         correlation_id=request.state.request_id,
     )
-    stored, _ = await submit(svc.queue, svc.store, new, svc.ledger)
+    stored, _ = await svc.intake.submit(new)
     return nest_out(stored)
 
 

@@ -11,7 +11,7 @@ from sluice.engine.backoff import DEFAULT_BACKOFF
 from sluice.service.context import AdmittedDep, CallerDep, ServicesDep
 from sluice.service.errors import ENGINE_ERRORS, ApiError, engine_error, responses
 from sluice.service.schemas import AttemptOut, JobIn, JobOut, JobsIn, JobsOut
-from sluice.service.submit import backoff_json, submit
+from sluice.service.submit import backoff_json
 from sluice.store.jobs import FINAL, STATUSES, NewJob, StoredJob
 from sluice.store.sink import engine_key
 
@@ -88,9 +88,7 @@ async def create_job(
     """Accept one job: stored, then enqueued. The same idempotency key again returns the first
     job (``created: false``), with 200."""
     correlation = request.state.request_id
-    stored, created = await submit(
-        svc.queue, svc.store, new_job(body, who.tenant, svc.settings.queue, correlation), svc.ledger
-    )
+    stored, created = await svc.intake.submit(new_job(body, who.tenant, svc.settings.queue, correlation))
     if not created:
         response.status_code = 200
     return job_out(stored, created=created)
@@ -106,8 +104,8 @@ async def create_jobs(
     out = []
     for i, item in enumerate(body.jobs):
         try:
-            stored, created = await submit(
-                svc.queue, svc.store, new_job(item, who.tenant, svc.settings.queue, correlation), svc.ledger
+            stored, created = await svc.intake.submit(
+                new_job(item, who.tenant, svc.settings.queue, correlation)
             )
         except ENGINE_ERRORS as exc:
             # The status POST /v1/jobs would answer for this job; the message says which it was.

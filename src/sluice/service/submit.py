@@ -9,13 +9,15 @@ the two writes or after Redis lost its data) never makes two.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
 from sluice.engine.backoff import Backoff
 from sluice.engine.codec import encode_limited
 from sluice.engine.job import JobSpec
-from sluice.errors import BudgetNotFound, RedisUnavailable
+from sluice.errors import BudgetNotFound, RedisUnavailable, SluiceError
 from sluice.store.jobs import NewJob, StoredJob
 from sluice.store.sink import engine_key
 
@@ -42,6 +44,7 @@ def spec_of(job: StoredJob | NewJob) -> JobSpec:
         backoff=Backoff(kind, delay, max_delay, jitter),
         tokens=job.tokens,
         budget=job.budget,
+        correlation_id=job.correlation_id,
     )
 
 
@@ -49,55 +52,103 @@ def backoff_json(backoff: Backoff) -> list[Any]:
     return [backoff.kind, backoff.delay, backoff.max_delay, backoff.jitter]
 
 
+def engine_spec(job: StoredJob) -> JobSpec:
+    """The engine's job for a stored one, under its engine idempotency key."""
+    return dataclasses.replace(spec_of(job), idempotency_key=engine_key(job.id))
+
+
 async def enqueue(queue: Queue, job: StoredJob) -> str:
     """Hand a stored job to the engine; returns the engine's id (the same one if it was
     enqueued before)."""
-    spec = spec_of(job)
-    added = await queue.add(
-        spec.name,
-        spec.payload,
-        priority=spec.priority,
-        delay=spec.delay,
-        max_attempts=spec.max_attempts,
-        backoff=spec.backoff,
-        idempotency_key=engine_key(job.id),
-        tokens=spec.tokens,
-        budget=spec.budget,
-        correlation_id=job.correlation_id,
-    )
+    (added,) = await queue.add_bulk([engine_spec(job)])
     return added.id
 
 
-async def submit(
-    queue: Queue, store: JobStore, new: NewJob, ledger: BudgetLedger | None = None
-) -> tuple[StoredJob, bool]:
-    """Store then enqueue one job; returns it and whether this call created it.
+class Intake:
+    """Accepts jobs: each is checked alone, and the ones that arrive together are written
+    together: one INSERT for all of them, then one add to the engine.
 
-    A job whose budget does not exist is refused before anything is written;
-    one that Redis lost but the store has a copy of is rebuilt first (``ledger``).
-    If Redis is down after the row is written, the job stays QUEUED in the
-    store and the reconciler enqueues it when Redis is back: the answer is
-    still 201, because the job is kept.
+    The batches form by themselves: the first submission starts a write at
+    once; those arriving while it runs wait for the next, which takes all of
+    them (up to ``max_batch``). An idle service answers one job as fast as
+    before, and a busy one pays one round trip to PostgreSQL and one to Redis
+    per batch rather than per job, so that the API keeps up with submissions
+    instead of queueing them. If Redis is down after the rows are written, the
+    jobs stay QUEUED in the store and the reconciler enqueues them when Redis
+    is back: the answer is still 201, because they are kept.
     """
-    spec_of(new)  # the engine's checks, before anything is written
-    encode_limited(new.payload, queue.max_payload_bytes)  # a payload the queue would refuse
-    if new.budget is not None:
-        found = (await queue.budgets.get_many([new.budget]))[0]
-        if found is None and ledger is not None and new.budget in await ledger.restore_missing():
-            found = (await queue.budgets.get_many([new.budget]))[0]
-        if found is None:
-            raise BudgetNotFound(new.budget)
-        if ledger is not None:
-            await ledger.remember(new.budget)
-    stored, created = await store.create(new)
-    if created:
+
+    def __init__(
+        self, queue: Queue, store: JobStore, ledger: BudgetLedger | None = None, *, max_batch: int = 500
+    ) -> None:
+        self.queue = queue
+        self.store = store
+        self.ledger = ledger
+        self.max_batch = max_batch
+        self._pending: list[tuple[NewJob, asyncio.Future[tuple[StoredJob, bool]]]] = []
+        self._writer: asyncio.Task[None] | None = None
+        #: batches written, and the jobs in them (for tests and metrics)
+        self.batches = 0
+        self.jobs = 0
+
+    async def submit(self, new: NewJob) -> tuple[StoredJob, bool]:
+        """Store then enqueue one job; returns it and whether this call created it.
+
+        A job whose budget does not exist is refused before anything is written;
+        one that Redis lost but the store has a copy of is rebuilt first.
+        """
+        await self.check(new)
+        done: asyncio.Future[tuple[StoredJob, bool]] = asyncio.get_running_loop().create_future()
+        self._pending.append((new, done))
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._write_all(), name="sluice-intake")
+        return await done
+
+    async def check(self, new: NewJob) -> None:
+        """What the engine would refuse, refused before anything is stored."""
+        spec_of(new)
+        encode_limited(new.payload, self.queue.max_payload_bytes)
+        if new.budget is not None:
+            ledger = self.ledger
+            found = (await self.queue.budgets.get_many([new.budget]))[0]
+            if found is None and ledger is not None and new.budget in await ledger.restore_missing():
+                found = (await self.queue.budgets.get_many([new.budget]))[0]
+            if found is None:
+                raise BudgetNotFound(new.budget)
+            if ledger is not None:
+                await ledger.remember(new.budget)
+
+    async def _write_all(self) -> None:
         try:
-            await enqueue(queue, stored)
-        except RedisUnavailable as exc:
-            log.warning(
-                "job %s is stored but not enqueued (%s); the reconciler enqueues it when Redis is back",
-                stored.id,
-                exc,
-                extra={"job_id": str(stored.id)},
-            )
-    return stored, created
+            while self._pending:
+                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+                try:
+                    results = await self._write([new for new, _ in batch])
+                except Exception as exc:  # noqa: BLE001 - each waiting request answers it
+                    for _, done in batch:
+                        if not done.done():
+                            done.set_exception(exc)
+                    continue
+                for (_, done), result in zip(batch, results, strict=True):
+                    if not done.done():
+                        done.set_result(result)
+        finally:
+            self._writer = None
+
+    async def _write(self, news: list[NewJob]) -> list[tuple[StoredJob, bool]]:
+        results = await self.store.create_many(news)
+        self.batches += 1
+        self.jobs += len(news)
+        created = [stored for stored, new in results if new]
+        if created:
+            try:
+                await self.queue.add_bulk([engine_spec(job) for job in created])
+            except (RedisUnavailable, SluiceError) as exc:
+                log.warning(
+                    "%d job(s) are stored but not enqueued (%s); the reconciler enqueues them when "
+                    "Redis is back",
+                    len(created),
+                    exc,
+                    extra={"job_ids": [str(j.id) for j in created]},
+                )
+        return results

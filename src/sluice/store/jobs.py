@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -153,6 +154,93 @@ class StoredJob:
         )
 
 
+def _new_stored(job_id: uuid.UUID, n: NewJob, at: datetime) -> StoredJob:
+    """The row create_many just wrote, without reading it back."""
+    return StoredJob(
+        id=job_id,
+        tenant=n.tenant,
+        queue=n.queue,
+        engine_id=None,
+        type=n.type,
+        status="QUEUED",
+        priority=n.priority,
+        attempts=0,
+        max_attempts=n.max_attempts,
+        payload=n.payload,
+        result=None,
+        error=None,
+        idempotency_key=n.idempotency_key,
+        correlation_id=n.correlation_id,
+        tokens=n.tokens,
+        budget=n.budget,
+        spent=0,
+        delay_ms=n.delay_ms,
+        backoff=n.backoff,
+        created_at=at,
+        updated_at=at,
+        processed_at=None,
+        completed_at=None,
+    )
+
+
+def _json(value: Any) -> Any:
+    """A jsonb column from a raw asyncpg record: text, unless the connection decodes it (the
+    SQLAlchemy dialect registers a decoder on its connections)."""
+    return orjson.loads(value) if isinstance(value, str | bytes) else value
+
+
+def _stored_from_record(r: Any) -> StoredJob:
+    """A job from an asyncpg record of ``SELECT * FROM jobs``."""
+    return StoredJob(
+        id=r["id"],
+        tenant=r["tenant"],
+        queue=r["queue"],
+        engine_id=r["engine_id"],
+        type=r["type"],
+        status=r["status"],
+        priority=r["priority"],
+        attempts=r["attempts"],
+        max_attempts=r["max_attempts"],
+        payload=_as_sent(_json(r["payload"])),
+        result=_as_sent(_json(r["result"])),
+        error=r["error"],
+        idempotency_key=r["idempotency_key"],
+        correlation_id=r["correlation_id"],
+        tokens=r["tokens"],
+        budget=r["budget"],
+        spent=r["spent"],
+        delay_ms=r["delay_ms"],
+        backoff=_json(r["backoff"]),
+        created_at=r["created_at"],
+        updated_at=r["updated_at"],
+        processed_at=r["processed_at"],
+        completed_at=r["completed_at"],
+    )
+
+
+# One statement for a whole batch: the rows in their order (WITH ORDINALITY), so that of two with
+# one key the first is the one inserted.
+_INSERT_MANY = """
+INSERT INTO jobs (id, tenant, queue, type, status, priority, attempts, max_attempts, payload,
+                  idempotency_key, correlation_id, tokens, budget, delay_ms, backoff,
+                  created_at, updated_at)
+SELECT t.id, t.tenant, t.queue, t.type, 'QUEUED', t.priority, 0, t.max_attempts, t.payload::jsonb,
+       t.idem, t.cid, t.tokens, t.budget, t.delay_ms, t.backoff::jsonb, $14, $14
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::text[],
+            $8::text[], $9::text[], $10::bigint[], $11::text[], $12::bigint[], $13::text[])
+     WITH ORDINALITY AS t(id, tenant, queue, type, priority, max_attempts, payload, idem, cid,
+                          tokens, budget, delay_ms, backoff, n)
+ORDER BY t.n
+ON CONFLICT (tenant, idempotency_key) DO NOTHING
+RETURNING id
+"""
+_BY_KEYS = """
+SELECT j.* FROM jobs j
+JOIN unnest($1::text[], $2::text[]) AS k(tenant, idem)
+  ON j.tenant = k.tenant AND j.idempotency_key = k.idem
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class Page:
     jobs: list[StoredJob]
@@ -217,6 +305,60 @@ class JobStore:
             )
         assert first is not None, "the conflicting row was committed before ON CONFLICT answered"
         return StoredJob.of(first), False
+
+    async def create_many(
+        self, news: Sequence[NewJob], *, now: datetime | None = None
+    ) -> list[tuple[StoredJob, bool]]:
+        """Store many new jobs in one statement; per job, in order, what :meth:`create` returns.
+
+        The service's intake groups the submissions that arrive together into
+        one call: one round trip and one commit for all of them, where the ORM
+        path costs a few milliseconds of CPU per job. Raw asyncpg with arrays
+        (``unnest``), so the statement is the same whatever the batch size and
+        is prepared once per connection. A key used twice in one batch, or by
+        a concurrent call, names one job: the first (committed) one.
+        """
+        if not news:
+            return []
+        at = now or datetime.now(UTC)
+        ids = [uuid.uuid4() for _ in news]
+        columns = (
+            ids,
+            [n.tenant for n in news],
+            [n.queue for n in news],
+            [n.type for n in news],
+            [n.priority for n in news],
+            [n.max_attempts for n in news],
+            [orjson.dumps(n.payload).decode() for n in news],
+            [n.idempotency_key for n in news],
+            [n.correlation_id for n in news],
+            [n.tokens for n in news],
+            [n.budget for n in news],
+            [n.delay_ms for n in news],
+            [orjson.dumps(n.backoff).decode() for n in news],
+        )
+        async with self.db.engine.connect() as conn:
+            raw = (await conn.get_raw_connection()).driver_connection
+            assert raw is not None
+            inserted = {r[0] for r in await raw.fetch(_INSERT_MANY, *columns, at)}
+            keys = [
+                (n.tenant, n.idempotency_key)
+                for n, i in zip(news, ids, strict=True)
+                if i not in inserted and n.idempotency_key is not None
+            ]
+            firsts: dict[tuple[str, str], Any] = {}
+            if keys:
+                found = await raw.fetch(_BY_KEYS, [k[0] for k in keys], [k[1] for k in keys])
+                firsts = {(r["tenant"], r["idempotency_key"]): r for r in found}
+        out: list[tuple[StoredJob, bool]] = []
+        for n, job_id in zip(news, ids, strict=True):
+            if job_id in inserted:
+                out.append((_new_stored(job_id, n, at), True))
+            else:
+                first = firsts.get((n.tenant, n.idempotency_key or ""))
+                assert first is not None, "the conflicting row was committed before ON CONFLICT answered"
+                out.append((_stored_from_record(first), False))
+        return out
 
     async def get(
         self, job_id: uuid.UUID, *, tenant: str | None = None, attempts: bool = False
