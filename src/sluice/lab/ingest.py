@@ -301,18 +301,20 @@ async def run_generators(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Run one generator process per config (``python -m sluice.lab.ingest_load``), return their results."""
 
     async def one(cfg: dict[str, Any]) -> dict[str, Any]:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "sluice.lab.ingest_load",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await proc.communicate(orjson.dumps(cfg))
-        if proc.returncode != 0:
-            raise RuntimeError(f"a load generator failed ({proc.returncode}): {err.decode()[-2000:]}")
-        result: dict[str, Any] = orjson.loads(out)
+        with tempfile.TemporaryDirectory(prefix="sluice-ingest-") as folder:
+            out = Path(folder) / "result.json"
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "sluice.lab.ingest_load",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            _, err = await proc.communicate(orjson.dumps(cfg | {"out": str(out)}))
+            if proc.returncode != 0:
+                raise RuntimeError(f"a load generator failed ({proc.returncode}): {err.decode()[-2000:]}")
+            result: dict[str, Any] = orjson.loads(out.read_bytes())
         return result
 
     return list(await asyncio.gather(*(one(c) for c in configs)))

@@ -422,8 +422,9 @@ def main() -> None:
         result = asyncio.run(run(cfg))
     else:
         result = uvloop.run(run(cfg))
-    sys.stdout.buffer.write(orjson.dumps(result))
-    sys.stdout.flush()
+    # A file, not stdout: a minute of latencies is megabytes, which a pipe once cut short.
+    with open(cfg["out"], "wb") as out:
+        out.write(orjson.dumps(result))
 
 
 if __name__ == "__main__":
