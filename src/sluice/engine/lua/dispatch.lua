@@ -45,7 +45,7 @@ local function replay(K, rec, now, epoch)
   for i = 1, #rec.l, 2 do
     local id, token = rec.l[i], rec.l[i + 1]
     local f = redis.call('HMGET', K.jobp .. id, 'state', 'token', 'name', 'payload', 'attempt',
-                         'max_attempts', 'timeout_ms', 'backoff', 'created', 'tokens', 'budget')
+                         'max_attempts', 'timeout_ms', 'backoff', 'created', 'tokens', 'budget', 'cid')
     if f[1] == 'active' and f[2] == token then
       local n = #out
       out[n + 1] = id
@@ -59,6 +59,7 @@ local function replay(K, rec, now, epoch)
       out[n + 9] = f[9]
       out[n + 10] = math.max(math.floor(tonumber(f[10]) or 0), 0)
       out[n + 11] = f[11] or ''
+      out[n + 12] = f[12] or ''
     end
   end
   return out
@@ -117,7 +118,7 @@ if req ~= '' then
   -- so that the same call sent again after a lost reply is answered, not redone.
   local codes, leases = {}, {}
   for i = 1, n do codes[i] = out[i + 1] end
-  for i = at + 3, #out, 11 do
+  for i = at + 3, #out, 12 do -- (12 values per leased job: includes/dispatch.lua)
     leases[#leases + 1] = out[i]
     leases[#leases + 1] = tostring(out[i + 1])
   end
