@@ -31,7 +31,7 @@ from sluice import (
     SluiceError,
     Worker,
 )
-from sluice.engine.budgets import Budgets
+from sluice.engine.budgets import BudgetCopy, Budgets
 from sluice.engine.connection import connect
 from sluice.engine.protocol import WorkerProtocol
 from sluice.engine.queue import Job
@@ -91,6 +91,8 @@ CALLS: dict[str, Call] = {
     "Budgets.refund": lambda q: q.budgets.refund("r"),
     "Budgets.reservation": lambda q: q.budgets.reservation("r"),
     "Budgets.held": lambda q: q.budgets.held(),
+    "Budgets.copies": lambda q: q.budgets.copies(["b"]),
+    "Budgets.restore": lambda q: q.budgets.restore(BudgetCopy("b", 10, 0, "", 0, None, 0, 0, 0)),
     "Budgets.top_up": _top_up,
     "WorkerProtocol.step": lambda q: q.protocol.step(now=1, want=1, lease_ms=100, worker_id="w"),
     "WorkerProtocol.extend": lambda q: q.protocol.extend(now=1, lease_ms=100, leases=[("1", b"1")]),
