@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import pytest
 
 from sluice.testing.embedded import free_port
 from tests.service_harness import running_service
+from tests.test_service_cli import _wait_ready
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,14 +117,7 @@ def test_an_api_key_never_reaches_the_api_logs(
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, "sluice serve exited"
-            time.sleep(0.2)
+        _wait_ready(base, proc)
         good = {"Authorization": f"Bearer {key}", "X-Request-ID": "req-keyed"}
         assert (
             httpx.post(base + "/jobs", json={"type": "generic", "payload": {}}, headers=good).status_code

@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 
-from sluice.engine.context import current_job
+from sluice.engine.context import add_job_fields
 from sluice.settings import Settings
 
 _HANDLER_NAME = "sluice-cli"
@@ -27,14 +27,7 @@ _HANDLER_NAME = "sluice-cli"
 
 def _job_fields(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
     """The job whose handler is running (as ``JobLogFilter`` adds it to stdlib records)."""
-    ctx = current_job()
-    if ctx is not None:
-        event.setdefault("job_id", ctx.id)
-        event.setdefault("job_name", ctx.name)
-        event.setdefault("attempt", ctx.attempt)
-        if ctx.correlation_id is not None:
-            event.setdefault("correlation_id", ctx.correlation_id)
-    return event
+    return add_job_fields(event)
 
 
 def configure(settings: Settings) -> None:

@@ -38,15 +38,21 @@ class JobLogFilter(logging.Filter):
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        ctx = _current.get()
-        if ctx is not None:
-            fields = record.__dict__
-            fields.setdefault("job_id", ctx.id)
-            fields.setdefault("job_name", ctx.name)
-            fields.setdefault("attempt", ctx.attempt)
-            if ctx.correlation_id is not None:
-                fields.setdefault("correlation_id", ctx.correlation_id)
+        add_job_fields(record.__dict__)
         return True
+
+
+def add_job_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """Add the running job's ``job_id``, ``job_name``, ``attempt`` and ``correlation_id`` to
+    ``fields`` (a log record's or event's), leaving any it has alone; returns ``fields``."""
+    ctx = _current.get()
+    if ctx is not None:
+        fields.setdefault("job_id", ctx.id)
+        fields.setdefault("job_name", ctx.name)
+        fields.setdefault("attempt", ctx.attempt)
+        if ctx.correlation_id is not None:
+            fields.setdefault("correlation_id", ctx.correlation_id)
+    return fields
 
 
 class JobContext:
