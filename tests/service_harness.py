@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from fastapi import FastAPI
 
 from sluice.service.app import create_app
 from sluice.service.config import ServiceSettings
@@ -25,6 +26,7 @@ from sluice.store.sink import TransitionSink
 
 @dataclass
 class Running:
+    app: FastAPI
     client: httpx.AsyncClient
     svc: Services
     sink: TransitionSink
@@ -42,7 +44,13 @@ class Running:
 
 @contextlib.asynccontextmanager
 async def running_service(
-    redis_url: str, database_url: str, prefix: str, *, auth: bool = False, **overrides: Any
+    redis_url: str,
+    database_url: str,
+    prefix: str,
+    *,
+    auth: bool = False,
+    fast_lane: bool = True,
+    **overrides: Any,
 ) -> AsyncIterator[Running]:
     options: dict[str, Any] = {
         "redis_url": redis_url,
@@ -52,7 +60,7 @@ async def running_service(
     }
     options.update(overrides)
     settings = ServiceSettings(**options)
-    app = create_app(settings, auth=auth)
+    app = create_app(settings, auth=auth, fast_lane=fast_lane)
     async with app.router.lifespan_context(app):
         svc: Services = app.state.services
         sink = TransitionSink(svc.queue, svc.db, consumer="test", block_ms=10)
@@ -61,4 +69,4 @@ async def running_service(
         )
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://sluice.test") as client:
-            yield Running(client, svc, sink, reconciler)
+            yield Running(app, client, svc, sink, reconciler)

@@ -24,6 +24,7 @@ from sluice.engine.queue import Queue
 from sluice.service import errors
 from sluice.service.config import ServiceSettings
 from sluice.service.context import Services, ServicesDep
+from sluice.service.fastlane import FastLane
 from sluice.service.middleware import BodyLimit, RequestId
 from sluice.service.pressure import PressureGauge
 from sluice.service.ratelimit import RateLimiter
@@ -49,11 +50,12 @@ class ReadyOut(BaseModel):
     checks: dict[str, str]
 
 
-def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
+def create_app(settings: ServiceSettings, *, auth: bool = True, fast_lane: bool = True) -> FastAPI:
     """The service; it connects when it starts (ASGI lifespan) and closes when it stops.
 
     ``auth=False`` (``sluice dev`` only): no API key is asked for, and every caller is the
-    default tenant's admin.
+    default tenant's admin. ``fast_lane=False`` serves every submission through FastAPI's
+    routes (the tests compare the two; ``fastlane.py``).
     """
 
     @contextlib.asynccontextmanager
@@ -148,7 +150,14 @@ def create_app(settings: ServiceSettings, *, auth: bool = True) -> FastAPI:
             {"status": "ready" if ready else "not ready", "checks": checks}, 200 if ready else 503
         )
 
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(RequestId)
+    _middleware(app, settings, fast_lane=fast_lane)
     app.state.services = None
     return app
+
+
+def _middleware(app: FastAPI, settings: ServiceSettings, *, fast_lane: bool) -> None:
+    """Outermost first: the request id, the body limit, then the submissions' fast lane."""
+    if fast_lane:
+        app.add_middleware(FastLane)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestId)

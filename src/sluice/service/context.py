@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
@@ -86,22 +86,34 @@ async def caller(
     key = bearer.credentials.strip() if bearer is not None and bearer.credentials.strip() else header_key
     if not key:
         raise ApiError(401, "send an API key: Authorization: Bearer <key> (make one with sluice keys create)")
-    now = time.monotonic()
     hashed = digest(key)
-    cached = svc.key_cache.get(hashed)
-    if cached is not None and now - cached[1] < KEY_CACHE_SECONDS:
-        found = cached[0]
-    else:
+    known, found = cached_key(svc, hashed)
+    if not known:
         found = await svc.keys.lookup(key)
         if len(svc.key_cache) >= _KEY_CACHE_MAX:
             svc.key_cache.clear()
-        svc.key_cache[hashed] = (found, now)
+        svc.key_cache[hashed] = (found, time.monotonic())
+    return await authorize(svc, hashed, found, request.scope.setdefault("state", {}))
+
+
+def cached_key(svc: Services, hashed: str) -> tuple[bool, ApiKey | None]:
+    """``(True, key)`` for the key of this digest as last looked up (``None``: no such key);
+    ``(False, None)`` when that answer is older than ``KEY_CACHE_SECONDS`` or was never read."""
+    cached = svc.key_cache.get(hashed)
+    if cached is not None and time.monotonic() - cached[1] < KEY_CACHE_SECONDS:
+        return True, cached[0]
+    return False, None
+
+
+async def authorize(svc: Services, hashed: str, found: ApiKey | None, state: dict[str, Any]) -> Caller:
+    """A looked-up key made a caller: 401 if it is unknown or revoked, 429 past its rate
+    limit (counted here, once per request; the middleware adds the ``RateLimit-*`` headers
+    from ``state``)."""
     if found is None:
         raise ApiError(401, "this API key is unknown or revoked")
     verdict = await svc.limiter.check(hashed)
     if svc.limiter.enabled:
-        # RateLimit headers on every answer (the middleware adds them to the response).
-        request.state.rate_limit = (svc.limiter.burst, verdict.remaining, svc.limiter.rate)
+        state["rate_limit"] = (svc.limiter.burst, verdict.remaining, svc.limiter.rate)
     if not verdict.allowed:
         raise ApiError(
             429,
@@ -121,6 +133,11 @@ async def admin(who: Annotated[Caller, Depends(caller)]) -> Caller:
 
 async def admitted(svc: Annotated[Services, Depends(services)]) -> None:
     """Backpressure: 429 with Retry-After while the queue is too far behind."""
+    await admit(svc)
+
+
+async def admit(svc: Services) -> None:
+    """429 with Retry-After while the queue is too far behind (``admitted``, as a function)."""
     p = await svc.pressure.read()
     if p.refusing:
         behind = f"{p.backlog_seconds:.0f} s of work" if p.backlog_seconds is not None else f"{p.depth} jobs"

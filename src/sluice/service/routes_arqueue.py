@@ -19,7 +19,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
 from sluice.engine.backoff import Backoff
-from sluice.service.context import AdmittedDep, CallerDep, ServicesDep
+from sluice.service.context import AdmittedDep, Caller, CallerDep, Services, ServicesDep
 from sluice.service.errors import ApiError, responses
 from sluice.service.schemas import ArqDeadTask, ArqEnqueued, ArqTaskIn, MetricsOut, PressureOut
 from sluice.service.submit import backoff_json
@@ -29,6 +29,7 @@ router = APIRouter(tags=["compatibility: ArQueue"], responses=responses(401, 429
 
 #: ArQueue's retry delay: 2 s doubling, at most 60 s, +-10 %.
 ARQ_BACKOFF = Backoff("exponential", 2.0, 60.0, 0.1)
+ARQ_BACKOFF_JSON = backoff_json(ARQ_BACKOFF)
 
 #: The route reads its body itself (to answer 400 and 415 as ArQueue does, not 422), so
 #: FastAPI cannot see it: /openapi.json gets it from here.
@@ -63,6 +64,11 @@ async def arq_enqueue(
         else:
             message = f"{field}: {first.get('msg', 'invalid')}"
         raise ApiError(400, message, field=field) from None
+    return await accept_arq(svc, who, body, request.state.request_id)
+
+
+async def accept_arq(svc: Services, who: Caller, body: ArqTaskIn, request_id: str) -> ArqEnqueued:
+    """``POST /enqueue`` once the caller is known and admitted (the route's and the fast lane's)."""
     new = NewJob(
         tenant=who.tenant,
         queue=svc.settings.queue,
@@ -70,13 +76,13 @@ async def arq_enqueue(
         payload=body.payload,
         priority=0,
         max_attempts=body.maxRetries + 1,
-        backoff=backoff_json(ARQ_BACKOFF),
+        backoff=ARQ_BACKOFF_JSON,
         idempotency_key=body.idempotencyKey,
-        correlation_id=request.state.request_id,
+        correlation_id=request_id,
     )
     stored, _ = await svc.intake.submit(new)
     depth = (await svc.queue.counts())["waiting"]
-    return ArqEnqueued(taskId=str(stored.id), queueLength=depth, requestId=request.state.request_id)
+    return ArqEnqueued(taskId=str(stored.id), queueLength=depth, requestId=request_id)
 
 
 @router.get("/dead_letter", response_model=list[ArqDeadTask], responses=responses(422))

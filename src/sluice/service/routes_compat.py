@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from sluice.service.context import AdmittedDep, CallerDep, ServicesDep
+from sluice.service.context import AdmittedDep, Caller, CallerDep, Services, ServicesDep
 from sluice.service.errors import ApiError, responses
 from sluice.service.routes_v1 import parse_id
 from sluice.service.schemas import NestJobIn, NestJobOut
 from sluice.service.submit import NEST_BACKOFF, backoff_json
 from sluice.store.jobs import NewJob, StoredJob
+
+NEST_BACKOFF_JSON = backoff_json(NEST_BACKOFF)
 
 router = APIRouter(tags=["compatibility: NestJS job service"], responses=responses(401, 413, 422, 429, 503))
 
@@ -45,6 +47,11 @@ async def nest_create(
     body: NestJobIn, request: Request, svc: ServicesDep, who: CallerDep, _admitted: AdmittedDep
 ) -> NestJobOut:
     """Create a job (NestJS design). A repeated ``idempotencyKey`` returns the first job, with 201."""
+    return await accept_nest(svc, who, body, request.state.request_id)
+
+
+async def accept_nest(svc: Services, who: Caller, body: NestJobIn, request_id: str) -> NestJobOut:
+    """``POST /jobs`` once the caller is known and admitted (the route's and the fast lane's)."""
     new = NewJob(
         tenant=who.tenant,
         queue=svc.settings.queue,
@@ -52,10 +59,10 @@ async def nest_create(
         payload=body.payload,
         priority=body.priority,
         max_attempts=body.maxAttempts,
-        backoff=backoff_json(NEST_BACKOFF),
+        backoff=NEST_BACKOFF_JSON,
         delay_ms=body.delay,
         idempotency_key=body.idempotencyKey,
-        correlation_id=request.state.request_id,
+        correlation_id=request_id,
     )
     stored, _ = await svc.intake.submit(new)
     return nest_out(stored)

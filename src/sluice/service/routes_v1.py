@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request, Response
 
 from sluice.engine.backoff import DEFAULT_BACKOFF
-from sluice.service.context import AdmittedDep, CallerDep, ServicesDep
+from sluice.service.context import AdmittedDep, Caller, CallerDep, Services, ServicesDep
 from sluice.service.errors import ENGINE_ERRORS, ApiError, engine_error, responses
 from sluice.service.schemas import AttemptOut, JobIn, JobOut, JobsIn, JobsOut
 from sluice.service.submit import backoff_json
@@ -87,10 +87,15 @@ async def create_job(
 ) -> JobOut:
     """Accept one job: stored, then enqueued. The same idempotency key again returns the first
     job (``created: false``), with 200."""
-    correlation = request.state.request_id
-    stored, created = await svc.intake.submit(new_job(body, who.tenant, svc.settings.queue, correlation))
-    if not created:
+    out = await accept_job(svc, who, body, request.state.request_id)
+    if not out.created:
         response.status_code = 200
+    return out
+
+
+async def accept_job(svc: Services, who: Caller, body: JobIn, request_id: str) -> JobOut:
+    """``POST /v1/jobs`` once the caller is known and admitted (the route's and the fast lane's)."""
+    stored, created = await svc.intake.submit(new_job(body, who.tenant, svc.settings.queue, request_id))
     return job_out(stored, created=created)
 
 
