@@ -25,9 +25,9 @@ import logging
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import update
+from sqlalchemy import Table, bindparam, update
 
 from sluice.errors import InvalidJobError
 from sluice.store.schema import JobRow
@@ -144,28 +144,63 @@ class Reconciler:
             if not jobs:
                 return None
             done.looked += len(jobs)
-            known = await self.queue.get_jobs([str(j.engine_id) for j in jobs if j.engine_id is not None])
+            found = await self._engine_ids([j for j in jobs if j.engine_id is None])
+            known = await self.queue.get_jobs(
+                [str(j.engine_id or found.get(j.id)) for j in jobs if j.engine_id or j.id in found]
+            )
             records = {r.id: r for r in known if r is not None}
+            seen: list[tuple[uuid.UUID, int]] = []
             for job in jobs:
-                record = records.get(str(job.engine_id)) if job.engine_id is not None else None
+                known_id = job.engine_id or found.get(job.id)
+                record = records.get(str(known_id)) if known_id is not None else None
                 if record is not None and record.idempotency_key == engine_key(job.id):
+                    if job.engine_id is None:
+                        seen.append((job.id, int(record.id)))
                     if await self._finish_from(job, record):
                         done.finished += 1
                     continue
                 try:
-                    engine_id = await self.enqueue(self.queue, job)
+                    added = await self.enqueue(self.queue, job)
                 except InvalidJobError as exc:
                     # A row the engine will never take (stored by an older version that checked
                     # less): it ends REJECTED, saying why, rather than stop every pass here.
                     await self._reject(job, str(exc))
                     done.rejected += 1
                     continue
-                await self._mark_enqueued(job, int(engine_id))
+                await self._mark_enqueued(job, int(added))
                 done.enqueued += 1
+            await self._mark_seen(seen)
             after = (jobs[-1].updated_at, jobs[-1].id)
             if pages is not None:
                 pages -= 1
         return after
+
+    async def _engine_ids(self, jobs: list[StoredJob]) -> dict[uuid.UUID, int]:
+        """The engine ids of jobs no event has named, from their engine idempotency keys.
+
+        The sink does not apply ``added`` (the row says QUEUED from the start), so a job
+        learns its engine id from the first event that moves it; one that waits longer than
+        the grace is found here, in one read for the page, and the row is told once.
+        """
+        if not jobs:
+            return {}
+        prefix = self.queue.keys.idem_prefix
+        values: list[Any] = await self.queue.redis.mget([prefix + engine_key(j.id) for j in jobs])
+        return {j.id: int(v) for j, v in zip(jobs, values, strict=True) if v is not None and v.isdigit()}
+
+    async def _mark_seen(self, seen: list[tuple[uuid.UUID, int]]) -> None:
+        """The engine ids of rows no event has named yet (those that got one meanwhile keep it)."""
+        if not seen:
+            return
+        async with self.store.db.sessions() as session, session.begin():
+            table = cast("Table", JobRow.__table__)
+            conn = await session.connection()
+            await conn.execute(
+                update(table)
+                .where(table.c.id == bindparam("b_id"), table.c.engine_id.is_(None))
+                .values(engine_id=bindparam("b_engine")),
+                [{"b_id": job, "b_engine": engine_id} for job, engine_id in seen],
+            )
 
     async def _finish_from(self, job: StoredJob, record: JobRecord) -> bool:
         status = FINAL_STATUS.get(record.state.value)
@@ -198,8 +233,12 @@ class Reconciler:
 
     async def _mark_enqueued(self, job: StoredJob, engine_id: int) -> None:
         async with self.store.db.sessions() as session, session.begin():
+            # Unless the sink moved the row meanwhile (it then holds a newer engine id).
+            unchanged = (
+                JobRow.engine_id.is_(None) if job.engine_id is None else JobRow.engine_id == job.engine_id
+            )
             await session.execute(
                 update(JobRow)
-                .where(JobRow.id == job.id)
+                .where(JobRow.id == job.id, unchanged)
                 .values(engine_id=engine_id, status="QUEUED", updated_at=datetime.now(UTC))
             )

@@ -231,7 +231,10 @@ class TransitionSink:
         for sid, fields in entries:
             name = fields.get(b"ev", b"").decode()
             raw_id = fields.get(b"id", b"").decode()
-            known = name in STATUS_AFTER or name in ATTEMPT_OUTCOME or name == "failed"
+            # 'added' tells the store nothing it lacks: the API wrote the row as QUEUED before
+            # it enqueued. Skipping it halves the store's writes while jobs pour in; a row
+            # learns its engine id from the first event that moves the job (or the reconciler).
+            known = name != "added" and (name in STATUS_AFTER or name in ATTEMPT_OUTCOME or name == "failed")
             if known and raw_id.isdigit():
                 events.append((_stream_id(sid), name, int(raw_id), fields))
         if not events:
