@@ -66,6 +66,7 @@ from sluice.service.submit import NEST_BACKOFF
 from sluice.settings import ENV_DATABASE_URL
 from sluice.store.database import Database
 from sluice.store.keys import KeyStore
+from sluice.store.sink import GROUP as SINK_GROUP
 from sluice.store.sink import engine_key
 from sluice.testing.embedded import free_port
 from sluice.testing.postgres import EmbeddedPostgres
@@ -505,7 +506,7 @@ async def ingest_rate(
     achieved = rate(good, max(seconds, last_ok))
     per_second = [sum(col) for col in zip(*(r["per_second_ok"] for r in results), strict=True)]
     steady = per_second[1 : int(seconds)] or per_second
-    catch_up = await _sink_catch_up(run, tenant)
+    catch_up = await _sink_catch_up(run, server.queue)
     gen_cpu = sum(r["cpu_s"] for r in results)
     errors = sent - good
     row: dict[str, Any] = {
@@ -549,18 +550,35 @@ def _ms(us: float | None) -> float | None:
     return None if us is None else round(us / 1000, 3)
 
 
-async def _sink_catch_up(run: _Run, tenant: str, timeout: float = 120.0) -> float | None:
-    """Seconds until the sink has applied every stored job's ``added`` event (None: not within
-    ``timeout``); the next rate starts from a store that is up to date."""
+async def _sink_catch_up(run: _Run, queue_name: str, timeout: float = 120.0) -> float | None:
+    """Seconds until the sink has read and applied every event of the queue (its consumer group
+    delivered the stream's last entry and holds none pending; None: not within ``timeout``);
+    the next rate starts from a store that is up to date."""
     t0 = time.monotonic()
-    query = text("SELECT count(*) FROM jobs WHERE tenant = :t AND engine_id IS NULL")
+    events = Queue(queue_name, redis=run.redis).keys.events
     while time.monotonic() - t0 < timeout:
-        async with run.db.engine.connect() as conn:
-            behind = int(await conn.scalar(query, {"t": tenant}) or 0)
-        if behind == 0:
+        if await _sink_is_current(run, events):
             return round(time.monotonic() - t0, 2)
         await asyncio.sleep(0.25)
     return None
+
+
+async def _sink_is_current(run: _Run, events: str) -> bool:
+    if not await run.redis.exists(events):
+        return True
+    last = _entry_id((await run.redis.xinfo_stream(events))["last-generated-id"])
+    groups: list[dict[str, Any]] = await run.redis.xinfo_groups(events)
+    group = next((g for g in groups if _text(g["name"]) == SINK_GROUP), None)
+    return group is not None and group["pending"] == 0 and _entry_id(group["last-delivered-id"]) >= last
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _entry_id(value: bytes | str) -> tuple[int, int]:
+    ms, _, seq = _text(value).partition("-")
+    return int(ms), int(seq or 0)
 
 
 # ---- the idempotency race ---------------------------------------------------------------------------------
@@ -587,7 +605,7 @@ async def race(
     }
     [result] = await run_generators([cfg])
     after = await run.cpu_mark(server)
-    await _sink_catch_up(run, tenant, timeout=30.0)
+    await _sink_catch_up(run, queue_name, timeout=30.0)
     async with run.db.engine.connect() as conn:
         rows = int(
             await conn.scalar(
@@ -671,7 +689,7 @@ async def drain_with_store(run: _Run) -> dict[str, Any]:
         [submitted] = await run_generators([cfg])
         if submitted["statuses"] != {str(ok): n}:
             raise RuntimeError(f"submitting the drain's jobs failed: {submitted}")
-        caught_up = await _sink_catch_up(run, tenant)
+        caught_up = await _sink_catch_up(run, queue_name)
         run.progress(f"drain with the store: {spec.drain_workers} workers")
         measured = await _drain(run, queue, n, lambda: _store_completed(run, tenant), server)
     finally:

@@ -119,24 +119,43 @@ class Intake:
                 await ledger.remember(new.budget)
 
     async def _write_all(self) -> None:
+        """Batches until none is waiting, on one connection (a fresh one after a failure)."""
         try:
             while self._pending:
-                batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
                 try:
-                    results = await self._write([new for new, _ in batch])
-                except Exception as exc:  # noqa: BLE001 - each waiting request answers it
-                    for _, done in batch:
-                        if not done.done():
-                            done.set_exception(exc)
-                    continue
-                for (_, done), result in zip(batch, results, strict=True):
-                    if not done.done():
-                        done.set_result(result)
+                    async with self.store.connection() as conn:
+                        while self._pending and await self._write_next(conn):
+                            pass
+                except Exception as exc:  # noqa: BLE001 - no connection: the batch answers it
+                    self._fail(self._take(), exc)
         finally:
             self._writer = None
 
-    async def _write(self, news: list[NewJob]) -> list[tuple[StoredJob, bool]]:
-        results = await self.store.create_many(news)
+    def _take(self) -> list[tuple[NewJob, asyncio.Future[tuple[StoredJob, bool]]]]:
+        batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
+        return batch
+
+    @staticmethod
+    def _fail(batch: list[tuple[NewJob, asyncio.Future[tuple[StoredJob, bool]]]], exc: Exception) -> None:
+        for _, done in batch:
+            if not done.done():
+                done.set_exception(exc)
+
+    async def _write_next(self, conn: Any) -> bool:
+        """One batch; False when it failed (the connection may be broken)."""
+        batch = self._take()
+        try:
+            results = await self._write([new for new, _ in batch], conn)
+        except Exception as exc:  # noqa: BLE001 - each waiting request answers it
+            self._fail(batch, exc)
+            return False
+        for (_, done), result in zip(batch, results, strict=True):
+            if not done.done():
+                done.set_result(result)
+        return True
+
+    async def _write(self, news: list[NewJob], conn: Any) -> list[tuple[StoredJob, bool]]:
+        results = await self.store.create_many(news, conn=conn)
         self.batches += 1
         self.jobs += len(news)
         created = [stored for stored, new in results if new]

@@ -10,8 +10,9 @@ NOTHING`` lets exactly one win, and the others read the winner's row.
 from __future__ import annotations
 
 import base64
+import contextlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -306,8 +307,17 @@ class JobStore:
         assert first is not None, "the conflicting row was committed before ON CONFLICT answered"
         return StoredJob.of(first), False
 
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[Any]:
+        """One of the pool's connections, as asyncpg's own, for several :meth:`create_many`
+        calls in a row: the pool checks a connection (a round trip) each time it lends one."""
+        async with self.db.engine.connect() as conn:
+            raw = (await conn.get_raw_connection()).driver_connection
+            assert raw is not None
+            yield raw
+
     async def create_many(
-        self, news: Sequence[NewJob], *, now: datetime | None = None
+        self, news: Sequence[NewJob], *, now: datetime | None = None, conn: Any = None
     ) -> list[tuple[StoredJob, bool]]:
         """Store many new jobs in one statement; per job, in order, what :meth:`create` returns.
 
@@ -337,19 +347,19 @@ class JobStore:
             [n.delay_ms for n in news],
             [orjson.dumps(n.backoff).decode() for n in news],
         )
-        async with self.db.engine.connect() as conn:
-            raw = (await conn.get_raw_connection()).driver_connection
-            assert raw is not None
-            inserted = {r[0] for r in await raw.fetch(_INSERT_MANY, *columns, at)}
-            keys = [
-                (n.tenant, n.idempotency_key)
-                for n, i in zip(news, ids, strict=True)
-                if i not in inserted and n.idempotency_key is not None
-            ]
-            firsts: dict[tuple[str, str], Any] = {}
-            if keys:
-                found = await raw.fetch(_BY_KEYS, [k[0] for k in keys], [k[1] for k in keys])
-                firsts = {(r["tenant"], r["idempotency_key"]): r for r in found}
+        if conn is None:
+            async with self.connection() as raw:
+                return await self.create_many(news, now=now, conn=raw)
+        inserted = {r[0] for r in await conn.fetch(_INSERT_MANY, *columns, at)}
+        keys = [
+            (n.tenant, n.idempotency_key)
+            for n, i in zip(news, ids, strict=True)
+            if i not in inserted and n.idempotency_key is not None
+        ]
+        firsts: dict[tuple[str, str], Any] = {}
+        if keys:
+            found = await conn.fetch(_BY_KEYS, [k[0] for k in keys], [k[1] for k in keys])
+            firsts = {(r["tenant"], r["idempotency_key"]): r for r in found}
         out: list[tuple[StoredJob, bool]] = []
         for n, job_id in zip(news, ids, strict=True):
             if job_id in inserted:
