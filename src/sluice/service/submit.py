@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from sluice.engine.backoff import Backoff
@@ -32,7 +33,7 @@ log = logging.getLogger("sluice.service")
 NEST_BACKOFF = Backoff("exponential", 2.0, 86_400.0, 0.0)
 
 
-def spec_of(job: StoredJob | NewJob) -> JobSpec:
+def spec_of(job: StoredJob | NewJob, idempotency_key: str | None = None) -> JobSpec:
     """The engine's job for a stored one (its checks run here)."""
     kind, delay, max_delay, jitter = job.backoff
     return JobSpec(
@@ -45,6 +46,7 @@ def spec_of(job: StoredJob | NewJob) -> JobSpec:
         tokens=job.tokens,
         budget=job.budget,
         correlation_id=job.correlation_id,
+        idempotency_key=idempotency_key,
     )
 
 
@@ -54,7 +56,7 @@ def backoff_json(backoff: Backoff) -> list[Any]:
 
 def engine_spec(job: StoredJob) -> JobSpec:
     """The engine's job for a stored one, under its engine idempotency key."""
-    return dataclasses.replace(spec_of(job), idempotency_key=engine_key(job.id))
+    return spec_of(job, engine_key(job.id))
 
 
 async def enqueue(queue: Queue, job: StoredJob) -> str:
@@ -85,7 +87,7 @@ class Intake:
         self.store = store
         self.ledger = ledger
         self.max_batch = max_batch
-        self._pending: list[tuple[NewJob, asyncio.Future[tuple[StoredJob, bool]]]] = []
+        self._pending: list[_Pending] = []
         self._writer: asyncio.Task[None] | None = None
         #: batches written, and the jobs in them (for tests and metrics)
         self.batches = 0
@@ -97,16 +99,17 @@ class Intake:
         A job whose budget does not exist is refused before anything is written;
         one that Redis lost but the store has a copy of is rebuilt first.
         """
-        await self.check(new)
+        job_id = uuid.uuid4()
+        spec = await self.check(new, engine_key(job_id))
         done: asyncio.Future[tuple[StoredJob, bool]] = asyncio.get_running_loop().create_future()
-        self._pending.append((new, done))
+        self._pending.append(_Pending(new, job_id, spec, done))
         if self._writer is None:
             self._writer = asyncio.create_task(self._write_all(), name="sluice-intake")
         return await done
 
-    async def check(self, new: NewJob) -> None:
-        """What the engine would refuse, refused before anything is stored."""
-        spec_of(new)
+    async def check(self, new: NewJob, idempotency_key: str | None = None) -> JobSpec:
+        """What the engine would refuse, refused before anything is stored; the engine's job."""
+        spec = spec_of(new, idempotency_key)
         encode_limited(new.payload, self.queue.max_payload_bytes)
         if new.budget is not None:
             ledger = self.ledger
@@ -117,57 +120,88 @@ class Intake:
                 raise BudgetNotFound(new.budget)
             if ledger is not None:
                 await ledger.remember(new.budget)
+        return spec
 
     async def _write_all(self) -> None:
-        """Batches until none is waiting, on one connection (a fresh one after a failure)."""
+        """Batches until none is waiting, on one connection (a fresh one after a failure).
+
+        Two batches overlap: the next one's INSERT runs while the last one is
+        added to the engine (PostgreSQL and Redis work at once); the adds keep
+        their order.
+        """
         try:
             while self._pending:
                 try:
                     async with self.store.connection() as conn:
-                        while self._pending and await self._write_next(conn):
-                            pass
+                        await self._write_batches(conn)
                 except Exception as exc:  # noqa: BLE001 - no connection: the batch answers it
-                    self._fail(self._take(), exc)
+                    _fail(self._take(), exc)
         finally:
             self._writer = None
 
-    def _take(self) -> list[tuple[NewJob, asyncio.Future[tuple[StoredJob, bool]]]]:
+    async def _write_batches(self, conn: Any) -> None:
+        enqueuing: asyncio.Task[None] | None = None
+        try:
+            while self._pending or enqueuing is not None:
+                if not self._pending:
+                    assert enqueuing is not None
+                    await enqueuing
+                    enqueuing = None
+                    continue
+                batch = self._take()
+                try:
+                    results = await self.store.create_many(
+                        [p.new for p in batch], ids=[p.id for p in batch], conn=conn
+                    )
+                except Exception as exc:  # noqa: BLE001 - each waiting request answers it
+                    _fail(batch, exc)
+                    return  # the connection may be broken: the caller takes another
+                self.batches += 1
+                self.jobs += len(batch)
+                if enqueuing is not None:
+                    await enqueuing
+                enqueuing = asyncio.create_task(self._enqueue(batch, results))
+        finally:
+            if enqueuing is not None:
+                await enqueuing
+
+    def _take(self) -> list[_Pending]:
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
         return batch
 
-    @staticmethod
-    def _fail(batch: list[tuple[NewJob, asyncio.Future[tuple[StoredJob, bool]]]], exc: Exception) -> None:
-        for _, done in batch:
-            if not done.done():
-                done.set_exception(exc)
-
-    async def _write_next(self, conn: Any) -> bool:
-        """One batch; False when it failed (the connection may be broken)."""
-        batch = self._take()
+    async def _enqueue(self, batch: list[_Pending], results: list[tuple[StoredJob, bool]]) -> None:
+        """The jobs this batch created, to the engine; then every request of it is answered."""
+        created = [p.spec for p, (_, new) in zip(batch, results, strict=True) if new]
         try:
-            results = await self._write([new for new, _ in batch], conn)
-        except Exception as exc:  # noqa: BLE001 - each waiting request answers it
-            self._fail(batch, exc)
-            return False
-        for (_, done), result in zip(batch, results, strict=True):
-            if not done.done():
-                done.set_result(result)
-        return True
+            if created:
+                await self.queue.add_bulk(created)
+        except (RedisUnavailable, SluiceError) as exc:
+            log.warning(
+                "%d job(s) are stored but not enqueued (%s); the reconciler enqueues them when Redis is back",
+                len(created),
+                exc,
+                extra={"job_ids": [str(p.id) for p, (_, new) in zip(batch, results, strict=True) if new]},
+            )
+        except Exception as exc:  # noqa: BLE001 - stored, so kept: the reconciler enqueues them
+            _fail(batch, exc)
+            return
+        for p, result in zip(batch, results, strict=True):
+            if not p.done.done():
+                p.done.set_result(result)
 
-    async def _write(self, news: list[NewJob], conn: Any) -> list[tuple[StoredJob, bool]]:
-        results = await self.store.create_many(news, conn=conn)
-        self.batches += 1
-        self.jobs += len(news)
-        created = [stored for stored, new in results if new]
-        if created:
-            try:
-                await self.queue.add_bulk([engine_spec(job) for job in created])
-            except (RedisUnavailable, SluiceError) as exc:
-                log.warning(
-                    "%d job(s) are stored but not enqueued (%s); the reconciler enqueues them when "
-                    "Redis is back",
-                    len(created),
-                    exc,
-                    extra={"job_ids": [str(j.id) for j in created]},
-                )
-        return results
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """A submission waiting for its batch: the job, the id it gets if it is new, the engine's
+    job for it, and the request's answer."""
+
+    new: NewJob
+    id: uuid.UUID
+    spec: JobSpec
+    done: asyncio.Future[tuple[StoredJob, bool]]
+
+
+def _fail(batch: list[_Pending], exc: BaseException) -> None:
+    for p in batch:
+        if not p.done.done():
+            p.done.set_exception(exc)

@@ -317,7 +317,12 @@ class JobStore:
             yield raw
 
     async def create_many(
-        self, news: Sequence[NewJob], *, now: datetime | None = None, conn: Any = None
+        self,
+        news: Sequence[NewJob],
+        *,
+        now: datetime | None = None,
+        ids: Sequence[uuid.UUID] | None = None,
+        conn: Any = None,
     ) -> list[tuple[StoredJob, bool]]:
         """Store many new jobs in one statement; per job, in order, what :meth:`create` returns.
 
@@ -331,7 +336,10 @@ class JobStore:
         if not news:
             return []
         at = now or datetime.now(UTC)
-        ids = [uuid.uuid4() for _ in news]
+        if ids is None:
+            ids = [uuid.uuid4() for _ in news]
+        elif len(ids) != len(news):
+            raise ValueError(f"{len(ids)} ids for {len(news)} jobs")
         columns = (
             ids,
             [n.tenant for n in news],
@@ -349,7 +357,7 @@ class JobStore:
         )
         if conn is None:
             async with self.connection() as raw:
-                return await self.create_many(news, now=now, conn=raw)
+                return await self.create_many(news, now=now, ids=ids, conn=raw)
         inserted = {r[0] for r in await conn.fetch(_INSERT_MANY, *columns, at)}
         keys = [
             (n.tenant, n.idempotency_key)
