@@ -345,3 +345,46 @@ async def test_submissions_that_arrive_together_are_written_together(api: Runnin
     assert sum(a["created"] for a in answers) == 50  # one creator per key
     assert (await api.svc.queue.counts())["added"] == 50
     assert sum((await api.svc.store.counts("default")).values()) == 50
+
+
+async def test_the_intake_replaces_a_connection_the_server_closed(api: Running) -> None:
+    # Given the intake's kept connection (made by a first submission)
+    first = await api.client.post("/v1/jobs", json={"type": "generic"})
+    assert first.status_code == 201
+    # When PostgreSQL ends every other session of the database (as a restart or an admin would)
+    async with api.svc.db.engine.connect() as conn:
+        raw = (await conn.get_raw_connection()).driver_connection
+        assert raw is not None
+        ended = await raw.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+    assert ended >= 1
+    await asyncio.sleep(0.2)  # the closed socket reaches asyncpg
+    # Then the next submissions are stored and enqueued as usual, on a new connection
+    for i in range(3):
+        again = await api.client.post("/v1/jobs", json={"type": "generic", "payload": {"i": i}})
+        assert again.status_code == 201, again.text
+    assert (await api.svc.queue.counts())["added"] == 4
+
+
+async def test_a_store_that_cannot_be_reached_is_a_503_in_the_one_error_shape(api: Running) -> None:
+    from sluice.store.database import Database
+    from sluice.store.jobs import JobStore
+    from sluice.testing.embedded import free_port
+
+    # Given an intake whose PostgreSQL is down (nothing listens on its port)
+    dead = Database(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/gone")
+    api.svc.intake.store = JobStore(dead)
+    try:
+        for path, body in (("/jobs", {"type": "generic", "payload": {}}), ("/v1/jobs", {"type": "generic"})):
+            # When a job is submitted
+            resp = await api.client.post(path, json=body)
+            # Then it is refused as unavailable, to be sent again, and nothing was enqueued
+            assert resp.status_code == 503, resp.text
+            assert resp.headers["retry-after"] == "1"
+            assert resp.json()["error"]["code"] == "unavailable"
+            assert "PostgreSQL" in resp.json()["message"]
+        assert (await api.svc.queue.counts())["added"] == 0
+    finally:
+        await dead.close()

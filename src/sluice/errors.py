@@ -138,6 +138,19 @@ class OutcomeUnknown(RedisUnavailable):
         self.operation = operation
 
 
+class StoreUnavailable(SluiceError, ConnectionError):
+    """PostgreSQL (the service's store) could not take the write: unreachable, restarting, or
+    the connection broke. Nothing was accepted: the caller may send the same request again
+    (with its idempotency key, it names one job however often it is sent)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(
+            f"the store (PostgreSQL) is unavailable: {reason}; try again shortly "
+            "(check that it runs and SLUICE_DATABASE_URL)"
+        )
+
+
 class RedisCommandError(SluiceError):
     """Redis answered a command with an error: out of memory, a read-only replica, no ACL permission."""
 

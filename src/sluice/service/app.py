@@ -99,11 +99,7 @@ def create_app(settings: ServiceSettings, *, auth: bool = True, fast_lane: bool 
             yield
         finally:
             stop.set()
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await _stop(tasks, app.state.services)
             app.state.services = None
             await queue.close()
             await db.close()
@@ -161,3 +157,14 @@ def _middleware(app: FastAPI, settings: ServiceSettings, *, fast_lane: bool) -> 
         app.add_middleware(FastLane)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestId)
+
+
+async def _stop(tasks: list[asyncio.Task[None]], services: Services | None) -> None:
+    """The background tasks cancelled and awaited; the intake's connection given back."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if services is not None:
+        await services.intake.close()

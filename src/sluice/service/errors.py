@@ -24,6 +24,7 @@ from sluice.errors import (
     JobNotFound,
     JobStateError,
     RedisUnavailable,
+    StoreUnavailable,
 )
 from sluice.service.schemas import ErrorOut
 
@@ -176,7 +177,15 @@ def _api(request: Request, exc: Exception) -> JSONResponse:
 
 
 #: The engine's errors that a route lets through, and what they answer.
-ENGINE_ERRORS = (JobNotFound, BudgetNotFound, JobStateError, InvalidJobError, BudgetError, RedisUnavailable)
+ENGINE_ERRORS = (
+    JobNotFound,
+    BudgetNotFound,
+    JobStateError,
+    InvalidJobError,
+    BudgetError,
+    RedisUnavailable,
+    StoreUnavailable,
+)
 
 
 def engine_error(exc: Exception) -> ApiError:
@@ -189,10 +198,9 @@ def engine_error(exc: Exception) -> ApiError:
         return ApiError(409, str(exc))
     if isinstance(exc, InvalidJobError | BudgetError):
         return ApiError(422, str(exc))
-    if isinstance(exc, RedisUnavailable):
-        return ApiError(
-            503, "the queue's Redis is unavailable; try again shortly", headers={"Retry-After": "1"}
-        )
+    if isinstance(exc, StoreUnavailable | RedisUnavailable):
+        which = "the store (PostgreSQL)" if isinstance(exc, StoreUnavailable) else "the queue's Redis"
+        return ApiError(503, f"{which} is unavailable; try again shortly", headers={"Retry-After": "1"})
     return ApiError(500, "internal error")
 
 

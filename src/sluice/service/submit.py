@@ -10,6 +10,7 @@ the two writes or after Redis lost its data) never makes two.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import uuid
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from sluice.engine.backoff import Backoff
 from sluice.engine.codec import encode_limited
 from sluice.engine.job import JobSpec
-from sluice.errors import BudgetNotFound, RedisUnavailable, SluiceError
+from sluice.errors import BudgetNotFound, RedisUnavailable, SluiceError, StoreUnavailable
 from sluice.store.jobs import NewJob, StoredJob
 from sluice.store.sink import engine_key
 
@@ -89,6 +90,8 @@ class Intake:
         self.max_batch = max_batch
         self._pending: list[_Pending] = []
         self._writer: asyncio.Task[None] | None = None
+        self._conn: Any = None
+        self._conn_stack: contextlib.AsyncExitStack | None = None
         #: batches written, and the jobs in them (for tests and metrics)
         self.batches = 0
         self.jobs = 0
@@ -123,23 +126,57 @@ class Intake:
         return spec
 
     async def _write_all(self) -> None:
-        """Batches until none is waiting, on one connection (a fresh one after a failure).
-
-        Two batches overlap: the next one's INSERT runs while the last one is
-        added to the engine (PostgreSQL and Redis work at once); the adds keep
-        their order.
-        """
+        """Batches until none is waiting."""
         try:
             while self._pending:
                 try:
-                    async with self.store.connection() as conn:
-                        await self._write_batches(conn)
+                    conn = await self._connection()
                 except Exception as exc:  # noqa: BLE001 - no connection: the batch answers it
-                    _fail(self._take(), exc)
+                    _fail(self._take(), _unavailable(exc))
+                    continue
+                if not await self._write_batches(conn):
+                    await self._release()  # it may be broken: the next batch takes another
         finally:
             self._writer = None
 
-    async def _write_batches(self, conn: Any) -> None:
+    async def _connection(self) -> Any:
+        """The intake's own connection, kept between batches.
+
+        The pool checks a connection each time it lends one (two round trips),
+        which at a batch per request or two was most of a submission's time
+        and a fifth of its CPU. A connection the server closed is noticed
+        (asyncpg sees its socket close) and replaced; one that broke unnoticed
+        fails one batch, whose requests get an error, and is replaced.
+        """
+        if self._conn is not None and not self._conn.is_closed():
+            return self._conn
+        await self._release()
+        stack = contextlib.AsyncExitStack()
+        try:
+            self._conn = await stack.enter_async_context(self.store.connection())
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._conn_stack = stack
+        return self._conn
+
+    async def _release(self) -> None:
+        stack, self._conn_stack, self._conn = self._conn_stack, None, None
+        if stack is not None:
+            with contextlib.suppress(Exception):
+                await stack.aclose()
+
+    async def close(self) -> None:
+        """Give the intake's connection back (the service is stopping)."""
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                await self._writer
+        await self._release()
+
+    async def _write_batches(self, conn: Any) -> bool:
+        """Two batches overlap: the next one's INSERT runs while the last one is added to the
+        engine (PostgreSQL and Redis work at once); the adds keep their order. False when a
+        batch could not be stored."""
         enqueuing: asyncio.Task[None] | None = None
         try:
             while self._pending or enqueuing is not None:
@@ -154,8 +191,8 @@ class Intake:
                         [p.new for p in batch], ids=[p.id for p in batch], conn=conn
                     )
                 except Exception as exc:  # noqa: BLE001 - each waiting request answers it
-                    _fail(batch, exc)
-                    return  # the connection may be broken: the caller takes another
+                    _fail(batch, _unavailable(exc))
+                    return False
                 self.batches += 1
                 self.jobs += len(batch)
                 if enqueuing is not None:
@@ -164,6 +201,7 @@ class Intake:
         finally:
             if enqueuing is not None:
                 await enqueuing
+        return True
 
     def _take(self) -> list[_Pending]:
         batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch :]
@@ -205,3 +243,13 @@ def _fail(batch: list[_Pending], exc: BaseException) -> None:
     for p in batch:
         if not p.done.done():
             p.done.set_exception(exc)
+
+
+def _unavailable(exc: Exception) -> Exception:
+    """A failed store write as the error a request answers: a 503 for the database's
+    trouble (its message kept for the log, never a password: asyncpg's errors name none)."""
+    if isinstance(exc, SluiceError):
+        return exc
+    found = StoreUnavailable(f"{type(exc).__name__}: {exc}")
+    found.__cause__ = exc
+    return found
