@@ -50,6 +50,8 @@ SEQ = "{i}"
 #: whole milliseconds and is read once per loop iteration, a 1 ms step and a lag under load in
 #: latencies that a target of 10 ms is judged on.
 clock = time.perf_counter
+#: How long an idle connection is kept: under uvicorn's keep-alive (5 s), as real clients do.
+KEEP_ALIVE_S = 4.0
 #: Connections opened at once in ``race`` mode (a burst of SYNs past the listen backlog is dropped).
 OPEN_CHUNK = 250
 
@@ -62,6 +64,8 @@ class _Conn(asyncio.Protocol):
         self.buf = bytearray()
         self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
         self.closed = False
+        #: when its last answer came (idle since)
+        self.used = clock()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast("asyncio.Transport", transport)  # uvloop's is not a subclass
@@ -338,10 +342,14 @@ class _OpenLoop:
         self._settle()
 
     def _idle(self) -> _Conn | None:
+        """The connection used last, if one is idle; those idle past ``KEEP_ALIVE_S`` are closed
+        here, before the server closes them under a request being written (a reset)."""
+        now = clock()
         while self.idle:
             conn = self.idle.pop()
-            if not conn.closed:
+            if not conn.closed and now - conn.used < KEEP_ALIVE_S:
                 return conn
+            conn.close()
             self.open -= 1
         return None
 
@@ -370,7 +378,8 @@ class _OpenLoop:
             self.open -= 1
         else:
             status, _ = answer.result()
-            self.tally.answer(status, due, sent, clock(), self.t0, self.ok)
+            conn.used = clock()
+            self.tally.answer(status, due, sent, conn.used, self.t0, self.ok)
             self.idle.append(conn)
         self._pump()
         self._settle()

@@ -174,33 +174,22 @@ class Intake:
         await self._release()
 
     async def _write_batches(self, conn: Any) -> bool:
-        """Two batches overlap: the next one's INSERT runs while the last one is added to the
-        engine (PostgreSQL and Redis work at once); the adds keep their order. False when a
-        batch could not be stored."""
-        enqueuing: asyncio.Task[None] | None = None
-        try:
-            while self._pending or enqueuing is not None:
-                if not self._pending:
-                    assert enqueuing is not None
-                    await enqueuing
-                    enqueuing = None
-                    continue
-                batch = self._take()
-                try:
-                    results = await self.store.create_many(
-                        [p.new for p in batch], ids=[p.id for p in batch], conn=conn
-                    )
-                except Exception as exc:  # noqa: BLE001 - each waiting request answers it
-                    _fail(batch, _unavailable(exc))
-                    return False
-                self.batches += 1
-                self.jobs += len(batch)
-                if enqueuing is not None:
-                    await enqueuing
-                enqueuing = asyncio.create_task(self._enqueue(batch, results))
-        finally:
-            if enqueuing is not None:
-                await enqueuing
+        """Each batch stored, then added to the engine, then answered, until none waits; False
+        when one could not be stored. (Overlapping a batch's INSERT with the last one's add
+        was measured: smaller batches, 5 % more CPU per job in the API and 15 % in
+        PostgreSQL, and no lower latency.)"""
+        while self._pending:
+            batch = self._take()
+            try:
+                results = await self.store.create_many(
+                    [p.new for p in batch], ids=[p.id for p in batch], conn=conn
+                )
+            except Exception as exc:  # noqa: BLE001 - each waiting request answers it
+                _fail(batch, _unavailable(exc))
+                return False
+            self.batches += 1
+            self.jobs += len(batch)
+            await self._enqueue(batch, results)
         return True
 
     def _take(self) -> list[_Pending]:
