@@ -390,8 +390,7 @@ class TransitionSink:
             self.queue.name,
             now,
         )
-        starts = [(p.job, s) for p in patches for s in p.starts]
-        ends = [(p.job, e) for p in patches for e in p.ends]
+        starts, ends = _attempts(patches)
         async with self.db.engine.connect() as conn:
             raw = (await conn.get_raw_connection()).driver_connection
             assert raw is not None
@@ -405,6 +404,9 @@ class TransitionSink:
                         [s["attempt"] for _, s in starts],
                         [s["worker"] for _, s in starts],
                         [s["at"] for _, s in starts],
+                        [s.get("finished_at") for _, s in starts],
+                        [s.get("outcome") for _, s in starts],
+                        [s.get("error") for _, s in starts],
                     )
                 for chunk in _without_repeats(ends):
                     await raw.execute(
@@ -419,6 +421,23 @@ class TransitionSink:
 
 #: An attempt's end, for the job it belongs to.
 _End = tuple[uuid.UUID, dict[str, Any]]
+
+
+def _attempts(patches: list[_Patch]) -> tuple[list[_End], list[_End]]:
+    """The attempts a batch starts (those it also ends carry their end: one row written once,
+    not an INSERT then an UPDATE), and the ends of attempts started in earlier batches."""
+    starts: list[_End] = []
+    ends: list[_End] = []
+    for p in patches:
+        begun = {s["token"]: dict(s) for s in p.starts}
+        for end in p.ends:
+            start = begun.get(end["token"])
+            if start is not None and "finished_at" not in start:
+                start.update(finished_at=end["at"], outcome=end["outcome"], error=end["error"])
+            else:
+                ends.append((p.job, end))
+        starts += [(p.job, s) for s in begun.values()]
+    return starts, ends
 
 
 def _without_repeats(ends: list[_End]) -> list[list[_End]]:
@@ -493,10 +512,14 @@ FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::int[], $5::bool[], $6::tex
           ev_ms, ev_seq)
 WHERE j.id = d.id AND j.queue = $12 AND (j.ev_ms, j.ev_seq) < (d.ev_ms, d.ev_seq)
 """
+# An attempt written again (a batch applied twice) keeps the end it has; it takes one it lacks.
 _START = """
-INSERT INTO job_attempts (job_id, token, attempt, worker, started_at)
-SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::int[], $4::text[], $5::timestamptz[])
-ON CONFLICT (job_id, token) DO NOTHING
+INSERT INTO job_attempts (job_id, token, attempt, worker, started_at, finished_at, outcome, error)
+SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::int[], $4::text[], $5::timestamptz[],
+                     $6::timestamptz[], $7::text[], $8::text[])
+ON CONFLICT (job_id, token) DO UPDATE
+    SET finished_at = EXCLUDED.finished_at, outcome = EXCLUDED.outcome, error = EXCLUDED.error
+    WHERE job_attempts.finished_at IS NULL AND EXCLUDED.finished_at IS NOT NULL
 """
 # An attempt ends once: the latest one of the job that has not ended yet.
 _END = """
