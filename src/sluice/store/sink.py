@@ -395,6 +395,11 @@ class TransitionSink:
             raw = (await conn.get_raw_connection()).driver_connection
             assert raw is not None
             async with raw.transaction():
+                # Each row by its primary key. Left to itself, PostgreSQL joins a batch's
+                # thousands of ids by hashing the whole jobs table (a sequential scan per
+                # batch: 124 ms of a 2,500-job batch at 100,000 rows, 15 ms by the index),
+                # a cost that grows with the table.
+                await raw.execute("SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off")
                 await raw.execute(_UPDATE, *rows)
                 if starts:
                     await raw.execute(
