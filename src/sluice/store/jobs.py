@@ -97,6 +97,15 @@ class Attempt:
 
 
 @dataclass(frozen=True, slots=True)
+class JobRef:
+    """A job's id, engine id and last update: what the reconciler pages through."""
+
+    id: uuid.UUID
+    engine_id: int | None
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class StoredJob:
     """A job as the store holds it."""
 
@@ -480,11 +489,12 @@ class JobStore:
         after: tuple[datetime, uuid.UUID] | None,
         limit: int,
         unseen_only: bool = False,
-    ) -> list[StoredJob]:
+    ) -> list[JobRef]:
         """Jobs the store thinks are not finished, not updated since ``older_than``, oldest first
         (the reconciler's page; ``after`` continues it). ``unseen_only``: only those no event
-        has named yet (no engine id)."""
-        query = select(JobRow).where(
+        has named yet (no engine id). Their ids only: the reconciler reads a whole job (its
+        payload decoded) only when it must enqueue it again."""
+        query = select(JobRow.id, JobRow.engine_id, JobRow.updated_at).where(
             JobRow.queue == queue,
             JobRow.status.in_(("QUEUED", "PROCESSING", "FAILED", "PARKED")),
             JobRow.updated_at < older_than,
@@ -500,4 +510,4 @@ class JobStore:
             )
         query = query.order_by(JobRow.updated_at, JobRow.id).limit(limit)
         async with self.db.sessions() as session:
-            return [StoredJob.of(r) for r in await session.scalars(query)]
+            return [JobRef(r.id, r.engine_id, r.updated_at) for r in await session.execute(query)]

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from sluice.engine.job import JobRecord
     from sluice.engine.queue import Queue
-    from sluice.store.jobs import JobStore, StoredJob
+    from sluice.store.jobs import JobRef, JobStore, StoredJob
     from sluice.store.ledger import BudgetLedger
 
 log = logging.getLogger("sluice.store.reconcile")
@@ -162,8 +162,11 @@ class Reconciler:
                     if await self._finish_from(job, record):
                         done.finished += 1
                     continue
+                whole = await self.store.get(job.id)
+                if whole is None:  # deleted meanwhile
+                    continue
                 try:
-                    added = await self.enqueue(self.queue, job)
+                    added = await self.enqueue(self.queue, whole)
                 except InvalidJobError as exc:
                     # A row the engine will never take (stored by an older version that checked
                     # less): it ends REJECTED, saying why, rather than stop every pass here.
@@ -177,7 +180,7 @@ class Reconciler:
                 pages -= 1
         return after
 
-    async def _engine_ids(self, jobs: list[StoredJob]) -> dict[uuid.UUID, int]:
+    async def _engine_ids(self, jobs: list[JobRef]) -> dict[uuid.UUID, int]:
         """The engine ids of jobs no event has named, from their engine idempotency keys.
 
         The sink does not apply ``added`` (the row says QUEUED from the start), so a job
@@ -193,7 +196,7 @@ class Reconciler:
         values: list[Any] = await self.queue.redis.mget([prefix + engine_key(j.id) for j in jobs])
         return {j.id: int(v) for j, v in zip(jobs, values, strict=True) if v is not None and v.isdigit()}
 
-    async def _finish_from(self, job: StoredJob, record: JobRecord) -> bool:
+    async def _finish_from(self, job: JobRef, record: JobRecord) -> bool:
         status = FINAL_STATUS.get(record.state.value)
         if status is None:
             return False
@@ -208,7 +211,7 @@ class Reconciler:
             await session.execute(update(JobRow).where(JobRow.id == job.id).values(**values))
         return True
 
-    async def _reject(self, job: StoredJob, error: str) -> None:
+    async def _reject(self, job: JobRef, error: str) -> None:
         log.error(
             "reconciler: job %s cannot be enqueued and is REJECTED: %s",
             job.id,
@@ -222,7 +225,7 @@ class Reconciler:
                 .values(status="REJECTED", error=error, updated_at=datetime.now(UTC))
             )
 
-    async def _mark_enqueued(self, job: StoredJob, engine_id: int) -> None:
+    async def _mark_enqueued(self, job: JobRef, engine_id: int) -> None:
         async with self.store.db.sessions() as session, session.begin():
             # Unless the sink moved the row meanwhile (it then holds a newer engine id).
             unchanged = (
