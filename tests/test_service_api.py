@@ -390,3 +390,25 @@ async def test_a_store_that_cannot_be_reached_is_a_503_in_the_one_error_shape(ap
         assert (await api.svc.queue.counts())["added"] == 0
     finally:
         await dead.close()
+
+
+async def test_a_job_whose_events_were_lost_is_finished_from_the_engine_once_the_sink_is_done(
+    api: Running,
+) -> None:
+    # Given a job the engine completed, whose events the sink has not read
+    job = (await api.client.post("/v1/jobs", json={"type": "generic"})).json()
+    await api.sink.ensure_group()
+    reply = await api.svc.queue.protocol.step(want=1, lease_ms=10_000, worker_id="w")
+    await api.svc.queue.protocol.step(
+        want=0, lease_ms=10_000, worker_id="w", outcomes=[("1", reply.jobs[1], b"c", b'"done"', 0, -1)]
+    )
+    row = await api.svc.store.get(uuid.UUID(job["id"]))
+    assert row is not None
+    later = row.updated_at + (await _grace(api))
+    # When the reconciler passes while the sink is behind: the final state is the sink's to write
+    assert (await api.reconciler.reconcile(now=later, full=True)).finished == 0
+    # and when the stream lost the events (trimmed unread): the reconciler takes the engine's
+    await api.svc.queue.redis.xtrim(api.svc.queue.keys.events, maxlen=0)
+    assert (await api.reconciler.reconcile(now=later, full=True)).finished == 1
+    got = (await api.client.get(f"/v1/jobs/{job['id']}")).json()
+    assert (got["status"], got["result"]) == ("COMPLETED", "done")

@@ -66,8 +66,7 @@ from sluice.service.submit import NEST_BACKOFF
 from sluice.settings import ENV_DATABASE_URL
 from sluice.store.database import Database
 from sluice.store.keys import KeyStore
-from sluice.store.sink import GROUP as SINK_GROUP
-from sluice.store.sink import engine_key
+from sluice.store.sink import caught_up, engine_key
 from sluice.testing.embedded import free_port
 from sluice.testing.postgres import EmbeddedPostgres
 
@@ -555,30 +554,12 @@ async def _sink_catch_up(run: _Run, queue_name: str, timeout: float = 120.0) -> 
     delivered the stream's last entry and holds none pending; None: not within ``timeout``);
     the next rate starts from a store that is up to date."""
     t0 = time.monotonic()
-    events = Queue(queue_name, redis=run.redis).keys.events
+    queue = Queue(queue_name, redis=run.redis)
     while time.monotonic() - t0 < timeout:
-        if await _sink_is_current(run, events):
+        if await caught_up(queue):
             return round(time.monotonic() - t0, 2)
         await asyncio.sleep(0.25)
     return None
-
-
-async def _sink_is_current(run: _Run, events: str) -> bool:
-    if not await run.redis.exists(events):
-        return True
-    last = _entry_id((await run.redis.xinfo_stream(events))["last-generated-id"])
-    groups: list[dict[str, Any]] = await run.redis.xinfo_groups(events)
-    group = next((g for g in groups if _text(g["name"]) == SINK_GROUP), None)
-    return group is not None and group["pending"] == 0 and _entry_id(group["last-delivered-id"]) >= last
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _entry_id(value: bytes | str) -> tuple[int, int]:
-    ms, _, seq = _text(value).partition("-")
-    return int(ms), int(seq or 0)
 
 
 # ---- the idempotency race ---------------------------------------------------------------------------------

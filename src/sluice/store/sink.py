@@ -81,6 +81,29 @@ ATTEMPT_OUTCOME = {
 }
 
 
+async def caught_up(queue: Queue) -> bool:
+    """Whether the sink has applied every event the queue still holds: its group was handed
+    the stream's last entry and holds none unacknowledged (True with no group: no sink runs,
+    so none is behind)."""
+    redis, events = queue.redis, queue.keys.events
+    try:
+        groups: list[dict[str, Any]] = await redis.xinfo_groups(events)
+        group = next((g for g in groups if _text(g["name"]) == GROUP), None)
+        if group is None:
+            return True
+        last = (await redis.xinfo_stream(events)).get("last-entry")
+    except ResponseError:  # no stream: nothing to apply
+        return True
+    if group["pending"]:
+        return False
+    # The last entry there is, not the last ever added: entries trimmed unread are lost, not due.
+    return last is None or _stream_id(group["last-delivered-id"]) >= _stream_id(last[0])
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def engine_key(job_id: uuid.UUID) -> str:
     return f"{ENGINE_KEY_PREFIX}{job_id}"
 
