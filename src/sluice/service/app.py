@@ -90,6 +90,7 @@ def create_app(settings: ServiceSettings, *, auth: bool = True, fast_lane: bool 
                     grace=settings.reconcile_grace,
                     interval=settings.reconcile_interval,
                     ledger=ledger,
+                    lead=sink.lead,
                 )
                 tasks = [
                     asyncio.create_task(sink.run(stop), name="sluice-sink"),

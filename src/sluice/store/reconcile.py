@@ -76,9 +76,13 @@ class Reconciler:
         grace: float = 30.0,
         interval: float = 10.0,
         ledger: BudgetLedger | None = None,
+        lead: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.queue = queue
         self.ledger = ledger
+        #: passes run only while this returns True (the process whose sink leads: one
+        #: reconciler at a time, as one sink); None: always
+        self.lead = lead
         self.store = store
         self.enqueue = enqueue
         self.grace = grace
@@ -91,7 +95,7 @@ class Reconciler:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                done = await self.reconcile()
+                done = await self.reconcile() if self.lead is None or await self.lead() else Pass()
                 if done.enqueued or done.finished:
                     log.warning(
                         "reconciler: %d jobs enqueued again (Redis did not know them), %d finished from "
@@ -156,16 +160,14 @@ class Reconciler:
                 return None if wrap else after
             done.looked += len(jobs)
             found = await self._engine_ids([j for j in jobs if j.engine_id is None])
-            known = await self.queue.get_jobs(
-                [str(j.engine_id or found.get(j.id)) for j in jobs if j.engine_id or j.id in found]
-            )
-            records = {r.id: r for r in known if r is not None}
-            for job in jobs:
-                known_id = job.engine_id or found.get(job.id)
-                record = records.get(str(known_id)) if known_id is not None else None
-                if record is not None and record.idempotency_key == engine_key(job.id):
-                    if sink_done and await self._finish_from(job, record):
-                        done.finished += 1
+            views = await self._engine_views([j.engine_id or found.get(j.id) for j in jobs])
+            for job, view in zip(jobs, views, strict=True):
+                idem, state = view
+                if idem == self.queue.keys.idem(engine_key(job.id)):  # the engine holds it
+                    if sink_done and state in FINAL_STATUS:
+                        record = await self.queue.get_job(str(job.engine_id or found[job.id]))
+                        if record is not None and await self._finish_from(job, record):
+                            done.finished += 1
                     continue
                 whole = await self.store.get(job.id)
                 if whole is None:  # deleted meanwhile
@@ -200,6 +202,21 @@ class Reconciler:
         prefix = self.queue.keys.idem_prefix
         values: list[Any] = await self.queue.redis.mget([prefix + engine_key(j.id) for j in jobs])
         return {j.id: int(v) for j, v in zip(jobs, values, strict=True) if v is not None and v.isdigit()}
+
+    async def _engine_views(self, engine_ids: list[int | None]) -> list[tuple[str | None, str | None]]:
+        """Each job's engine idempotency key and state, as the engine has them ((None, None):
+        no such job): two fields, not the whole record, for a page of mostly waiting jobs."""
+        keys = self.queue.keys
+        async with self.queue.redis.pipeline(transaction=False) as pipe:
+            for engine_id in engine_ids:
+                pipe.hmget(keys.job(str(engine_id or 0)), "idem", "state")
+            replies: list[list[bytes | None]] = await pipe.execute()
+        return [
+            (idem.decode() if idem else None, state.decode() if state else None)
+            if engine_id
+            else (None, None)
+            for engine_id, (idem, state) in zip(engine_ids, replies, strict=True)
+        ]
 
     async def _finish_from(self, job: JobRef, record: JobRecord) -> bool:
         status = FINAL_STATUS.get(record.state.value)
@@ -241,3 +258,7 @@ class Reconciler:
                 .where(JobRow.id == job.id, unchanged)
                 .values(engine_id=engine_id, status="QUEUED", updated_at=datetime.now(UTC))
             )
+
+
+def _text(value: bytes | None) -> str | None:
+    return value.decode() if value else None
