@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -92,5 +93,46 @@ async def test_transitions_reach_the_store_across_worker_and_redis_crashes(
             groups = await api.svc.queue.redis.xinfo_groups(api.svc.queue.keys.events)
             (group,) = [g for g in groups if g["name"] == b"sluice-store"]
             assert group["pending"] == 0
+    finally:
+        redis.stop()
+
+
+async def test_submissions_while_redis_is_down_are_kept_and_enqueued_when_it_is_back(
+    tmp_path: Path, sluice_database_url: str, prefix: str
+) -> None:
+    # Given a service with keys and a rate limit (both need Redis on every request)
+    redis = EmbeddedRedis(tmp_path / "redis", port=0, appendfsync="always").start()
+    try:
+        async with running_service(
+            redis.url, sluice_database_url, prefix, auth=True, rate_limit=100.0, rate_burst=100
+        ) as api:
+            _, key = await api.svc.keys.create("acme")
+            headers = {"Authorization": f"Bearer {key}"}
+            first = await api.client.post("/jobs", json={"type": "generic", "payload": {}}, headers=headers)
+            assert first.status_code == 201 and "ratelimit-limit" in first.headers
+            # When Redis goes away
+            redis.kill()
+            # Then submissions are still accepted: stored, with no rate limit and no pressure read
+            kept = []
+            for i in range(3):
+                resp = await api.client.post(
+                    "/jobs", json={"type": "generic", "payload": {"i": i}}, headers=headers
+                )
+                assert resp.status_code == 201, resp.text
+                kept.append(resp.json()["id"])
+            # but a job whose budget cannot be looked up is refused, to be sent again
+            budgeted = await api.client.post(
+                "/v1/jobs", json={"type": "generic", "tokens": 5, "budget": "team"}, headers=headers
+            )
+            assert budgeted.status_code == 503 and budgeted.json()["error"]["code"] == "unavailable"
+            # And when Redis is back, the reconciler enqueues what was kept, once
+            redis.start()
+            row = await api.svc.store.get(uuid.UUID(kept[-1]))
+            assert row is not None and row.status == "QUEUED"
+            later = row.updated_at + timedelta(seconds=api.svc.settings.reconcile_grace + 1)
+            done = await api.reconciler.reconcile(now=later)
+            assert done.enqueued == 3
+            assert (await api.svc.queue.counts())["added"] == 4
+            assert (await api.reconciler.reconcile(now=later)).enqueued == 0
     finally:
         redis.stop()

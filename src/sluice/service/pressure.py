@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sluice.errors import RedisUnavailable
+
 if TYPE_CHECKING:
     from sluice.engine.queue import Queue
 
@@ -62,7 +64,13 @@ class PressureGauge:
 
     async def _read(self) -> Pressure:
         now = time.monotonic()
-        counts = await self.queue.counts()
+        try:
+            counts = await self.queue.counts()
+        except RedisUnavailable:
+            # Unknown without Redis: the last reading stands (none: no pressure). Submissions
+            # are stored meanwhile and enqueued when Redis is back; refusing them all would
+            # turn a Redis restart into lost work for clients that do not retry.
+            return self._cached[1] if self._cached is not None else self._judge(0, self._rate)
         depth = counts["waiting"] + counts["parked"]
         done = counts["completed"] + counts["dead_total"] + counts["cancelled"]
         if self._last is not None and now > self._last[0]:

@@ -10,13 +10,24 @@ processes on machines whose clocks disagree still share one limit.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from sluice.errors import RedisUnavailable
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
     from redis.commands.core import AsyncScript
+
+log = logging.getLogger("sluice.service")
+#: An outage is logged at most once this often (seconds).
+_QUIET = 30.0
 
 # KEYS[1]: the key's arrival-time record. ARGV[1]: microseconds between requests at the
 # steady rate; ARGV[2]: the burst (requests that may come at once).
@@ -57,16 +68,29 @@ class RateLimiter:
         self._prefix = f"{prefix}:ratelimit:"
         self._script: AsyncScript | None = redis.register_script(_GCRA) if rate > 0 else None
         self._interval_us = math.ceil(1_000_000 / rate) if rate > 0 else 0
+        self._warned = -_QUIET
 
     @property
     def enabled(self) -> bool:
         return self._script is not None
 
     async def check(self, who: str) -> Verdict:
-        """Count one request of ``who`` (a key's digest) against its limit."""
+        """Count one request of ``who`` (a key's digest) against its limit.
+
+        Without Redis the request is let through (and the outage logged, once per
+        ``_QUIET`` seconds): the limit protects the service, and a submission it
+        would block can still be stored, to be enqueued when Redis is back.
+        """
         if self._script is None:
             return Verdict(True, 0, self.burst)
-        allowed, wait_us, remaining = await self._script(
-            keys=[self._prefix + who], args=[self._interval_us, self.burst]
-        )
+        try:
+            allowed, wait_us, remaining = await self._script(
+                keys=[self._prefix + who], args=[self._interval_us, self.burst]
+            )
+        except (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable) as exc:
+            now = time.monotonic()
+            if now - self._warned > _QUIET:
+                self._warned = now
+                log.warning("rate limit: Redis is unavailable (%s); requests are not limited", exc)
+            return Verdict(True, 0, self.burst)
         return Verdict(bool(allowed), math.ceil(int(wait_us) / 1_000_000), int(remaining))
