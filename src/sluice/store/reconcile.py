@@ -160,9 +160,14 @@ class Reconciler:
                 return None if wrap else after
             done.looked += len(jobs)
             found = await self._engine_ids([j for j in jobs if j.engine_id is None])
-            views = await self._engine_views([j.engine_id or found.get(j.id) for j in jobs])
+            # A job found by its key is one the engine took; its state matters only to finish
+            # it, which waits for the sink to be done (the common case under load: one read).
+            look = [j.engine_id or (found.get(j.id) if sink_done else None) for j in jobs]
+            views = await self._engine_views(look)
             for job, view in zip(jobs, views, strict=True):
                 idem, state = view
+                if job.engine_id is None and job.id in found and not sink_done:
+                    continue  # the engine holds it
                 if idem == self.queue.keys.idem(engine_key(job.id)):  # the engine holds it
                     if sink_done and state in FINAL_STATUS:
                         record = await self.queue.get_job(str(job.engine_id or found[job.id]))
@@ -205,18 +210,17 @@ class Reconciler:
 
     async def _engine_views(self, engine_ids: list[int | None]) -> list[tuple[str | None, str | None]]:
         """Each job's engine idempotency key and state, as the engine has them ((None, None):
-        no such job): two fields, not the whole record, for a page of mostly waiting jobs."""
+        no such job, or no id to look up): two fields, not the whole record."""
+        asked = [i for i in engine_ids if i]
+        if not asked:
+            return [(None, None)] * len(engine_ids)
         keys = self.queue.keys
         async with self.queue.redis.pipeline(transaction=False) as pipe:
-            for engine_id in engine_ids:
-                pipe.hmget(keys.job(str(engine_id or 0)), "idem", "state")
+            for engine_id in asked:
+                pipe.hmget(keys.job(str(engine_id)), "idem", "state")
             replies: list[list[bytes | None]] = await pipe.execute()
-        return [
-            (idem.decode() if idem else None, state.decode() if state else None)
-            if engine_id
-            else (None, None)
-            for engine_id, (idem, state) in zip(engine_ids, replies, strict=True)
-        ]
+        views = {i: (_text(idem), _text(state)) for i, (idem, state) in zip(asked, replies, strict=True)}
+        return [views[i] if i else (None, None) for i in engine_ids]
 
     async def _finish_from(self, job: JobRef, record: JobRecord) -> bool:
         status = FINAL_STATUS.get(record.state.value)
