@@ -412,3 +412,17 @@ async def test_a_job_whose_events_were_lost_is_finished_from_the_engine_once_the
     assert (await api.reconciler.reconcile(now=later, full=True)).finished == 1
     got = (await api.client.get(f"/v1/jobs/{job['id']}")).json()
     assert (got["status"], got["result"]) == ("COMPLETED", "done")
+
+
+async def test_a_waiting_job_is_cancelled_through_the_api(api: Running) -> None:
+    # Given a job waiting (no worker), whose row no event has named yet
+    job = (await api.client.post("/v1/jobs", json={"type": "generic"})).json()
+    await api.drain_events()
+    # When it is cancelled
+    resp = await api.client.post(f"/v1/jobs/{job['id']}/cancel")
+    # Then the engine cancels it, the store follows, and cancelling again is a 409
+    assert resp.status_code == 200, resp.text
+    assert (await api.svc.queue.counts())["cancelled"] == 1
+    await api.drain_events()
+    assert (await api.client.get(f"/v1/jobs/{job['id']}")).json()["status"] == "CANCELLED"
+    assert (await api.client.post(f"/v1/jobs/{job['id']}/cancel")).status_code == 409

@@ -108,6 +108,14 @@ def engine_key(job_id: uuid.UUID) -> str:
     return f"{ENGINE_KEY_PREFIX}{job_id}"
 
 
+async def engine_id_of(queue: Queue, job_id: uuid.UUID) -> int | None:
+    """The engine's id of a stored job, from its engine idempotency key (None: the engine does
+    not have it). For a job no event has named yet, whose row has no engine id."""
+    raw: Any = await queue.redis.get(queue.keys.idem(engine_key(job_id)))
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return int(text) if text and text.isdigit() else None
+
+
 def _stream_id(raw: bytes | str) -> tuple[int, int]:
     s = raw.decode() if isinstance(raw, bytes) else raw
     ms, _, seq = s.partition("-")
