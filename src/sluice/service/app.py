@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -50,12 +51,16 @@ class ReadyOut(BaseModel):
     checks: dict[str, str]
 
 
-def create_app(settings: ServiceSettings, *, auth: bool = True, fast_lane: bool = True) -> FastAPI:
+def create_app(
+    settings: ServiceSettings, *, auth: bool = True, fast_lane: bool = True, freeze: bool = False
+) -> FastAPI:
     """The service; it connects when it starts (ASGI lifespan) and closes when it stops.
 
     ``auth=False`` (``sluice dev`` only): no API key is asked for, and every caller is the
     default tenant's admin. ``fast_lane=False`` serves every submission through FastAPI's
-    routes (the tests compare the two; ``fastlane.py``).
+    routes (the tests compare the two; ``fastlane.py``). ``freeze``: the objects start-up made
+    are moved out of the garbage collector's way once it is done (a process of its own: the
+    ASGI entry point; not a test's process, whose objects would never be collected).
     """
 
     @contextlib.asynccontextmanager
@@ -97,6 +102,11 @@ def create_app(settings: ServiceSettings, *, auth: bool = True, fast_lane: bool 
                     asyncio.create_task(reconciler.run(stop), name="sluice-reconciler"),
                     asyncio.create_task(ledger.run(stop), name="sluice-ledger"),
                 ]
+            # What start-up made (modules, routes, models: most of the objects there are) lives
+            # as long as the process: out of the collector's way, so that its full collections,
+            # which walk every object it tracks, stay short while requests wait.
+            if freeze:
+                gc.freeze()
             yield
         finally:
             stop.set()

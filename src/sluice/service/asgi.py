@@ -18,4 +18,4 @@ def app() -> FastAPI:
     # Each API process logs as the CLI does (SLUICE_LOG_FORMAT=json: one JSON object a line);
     # a process uvicorn spawns starts with no handler of ours.
     logs.configure(Settings.from_env())
-    return create_app(ServiceSettings())  # type: ignore[call-arg] # the URLs come from the environment
+    return create_app(ServiceSettings(), freeze=True)  # type: ignore[call-arg] # the URLs come from the environment

@@ -164,7 +164,10 @@ class TransitionSink:
         #: them as they trickle in cost three round trips per event or two (at 1,500
         #: submissions/s, a quarter of an API process), for a store at most this much later
         self.linger = linger
-        self._ids: OrderedDict[int, uuid.UUID | None] = OrderedDict()
+        #: engine id -> the store id as an int (None: not a job of the API's). Ints, not UUID
+        #: objects: the collector walks every object it tracks, and 200,000 UUIDs made each
+        #: full collection a pause of the API process that holds the map.
+        self._ids: OrderedDict[int, int | None] = OrderedDict()
         self._group_ready = False
         self._pending_done = False
         self._leader_key = queue.keys.base + "sink-leader"
@@ -362,10 +365,10 @@ class TransitionSink:
         unknown = []
         for engine_id in engine_ids:
             if engine_id in self._ids:
-                job = self._ids[engine_id]
+                known = self._ids[engine_id]
                 self._ids.move_to_end(engine_id)
-                if job is not None:
-                    out[engine_id] = job
+                if known is not None:
+                    out[engine_id] = uuid.UUID(int=known)
             else:
                 unknown.append(engine_id)
         if unknown:
@@ -383,7 +386,7 @@ class TransitionSink:
                         job = uuid.UUID(text_idem[len(prefix) :])
                     except ValueError:
                         job = None
-                self._ids[engine_id] = job
+                self._ids[engine_id] = job.int if job is not None else None
                 if job is not None:
                     out[engine_id] = job
             while len(self._ids) > _MAP_SIZE:
