@@ -89,8 +89,6 @@ class JobRow(Base):
     __table_args__ = (
         # One job per key and tenant: concurrent duplicates all receive the winner.
         UniqueConstraint("tenant", "idempotency_key"),
-        # Not unique: engine ids start again from 1 when Redis loses its data.
-        Index("ix_jobs_queue_engine_id", "queue", "engine_id"),
         # The list queries: a tenant's jobs newest first, by status or by type.
         Index("ix_jobs_tenant_created", "tenant", text("created_at DESC"), text("id DESC")),
         Index("ix_jobs_tenant_status_created", "tenant", "status", text("created_at DESC"), text("id DESC")),
