@@ -140,8 +140,9 @@ class OutcomeUnknown(RedisUnavailable):
 
 class StoreUnavailable(SluiceError, ConnectionError):
     """PostgreSQL (the service's store) could not take the write: unreachable, restarting, or
-    the connection broke. Nothing was accepted: the caller may send the same request again
-    (with its idempotency key, it names one job however often it is sent)."""
+    the connection broke. The job was most likely not stored (if the connection broke after
+    the commit, it was, and the reconciler enqueues it): send the request again with its
+    idempotency key, which names one job however often it is sent."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason

@@ -160,7 +160,7 @@ def _cached_key(svc: Services, scope: Scope) -> tuple[str, ApiKey] | None:
 def _parsed(lane: _Lane, body: bytes) -> BaseModel | None:
     try:
         return lane.parse(lane.model, body)
-    except (ValueError, ValidationError):  # json.JSONDecodeError and UnicodeDecodeError included
+    except (ValueError, ValidationError, RecursionError):  # JSON and Unicode errors are ValueErrors
         return None
 
 

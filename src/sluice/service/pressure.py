@@ -15,6 +15,7 @@ of them agree within a second.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -67,10 +68,13 @@ class PressureGauge:
         try:
             counts = await self.queue.counts()
         except RedisUnavailable:
-            # Unknown without Redis: the last reading stands (none: no pressure). Submissions
-            # are stored meanwhile and enqueued when Redis is back; refusing them all would
-            # turn a Redis restart into lost work for clients that do not retry.
-            return self._cached[1] if self._cached is not None else self._judge(0, self._rate)
+            # Unknown without Redis: no pressure, for a second (then Redis is asked again).
+            # Submissions are stored meanwhile and enqueued when Redis is back; refusing them
+            # all would turn a Redis restart into lost work for clients that do not retry.
+            unknown = self._judge(self._cached[1].depth if self._cached else 0, 0.0)
+            unknown = dataclasses.replace(unknown, refusing=False, retry_after=0)
+            self._cached = (now, unknown)
+            return unknown
         depth = counts["waiting"] + counts["parked"]
         done = counts["completed"] + counts["dead_total"] + counts["cancelled"]
         if self._last is not None and now > self._last[0]:

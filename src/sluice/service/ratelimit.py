@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.errors import RedisUnavailable
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.service")
 #: An outage is logged at most once this often (seconds).
 _QUIET = 30.0
+#: Replies of a Redis that cannot serve now (a replica after failover, out of memory, busy).
+_UNAVAILABLE = ("READONLY", "OOM", "BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN")
 
 # KEYS[1]: the key's arrival-time record. ARGV[1]: microseconds between requests at the
 # steady rate; ARGV[2]: the burst (requests that may come at once).
@@ -87,7 +90,9 @@ class RateLimiter:
             allowed, wait_us, remaining = await self._script(
                 keys=[self._prefix + who], args=[self._interval_us, self.burst]
             )
-        except (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable) as exc:
+        except (RedisConnectionError, RedisTimeoutError, OSError, RedisUnavailable, ResponseError) as exc:
+            if isinstance(exc, ResponseError) and not str(exc).startswith(_UNAVAILABLE):
+                raise
             now = time.monotonic()
             if now - self._warned > _QUIET:
                 self._warned = now

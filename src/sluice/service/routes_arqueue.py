@@ -19,6 +19,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
 from sluice.engine.backoff import Backoff
+from sluice.errors import RedisUnavailable
 from sluice.service.context import AdmittedDep, Caller, CallerDep, Services, ServicesDep
 from sluice.service.errors import ApiError, responses
 from sluice.service.schemas import ArqDeadTask, ArqEnqueued, ArqTaskIn, MetricsOut, PressureOut
@@ -81,7 +82,10 @@ async def accept_arq(svc: Services, who: Caller, body: ArqTaskIn, request_id: st
         correlation_id=request_id,
     )
     stored, _ = await svc.intake.submit(new)
-    depth = (await svc.queue.counts())["waiting"]
+    try:
+        depth = (await svc.queue.counts())["waiting"]
+    except RedisUnavailable:  # the task is stored (and enqueued when Redis is back): still a 201
+        depth = (await svc.pressure.read()).depth
     return ArqEnqueued(taskId=str(stored.id), queueLength=depth, requestId=request_id)
 
 

@@ -96,6 +96,10 @@ class Attempt:
     error: str | None
 
 
+#: Seconds a batch's INSERT may take before the batch fails (503) and its connection is replaced.
+WRITE_TIMEOUT = 30.0
+
+
 @dataclass(frozen=True, slots=True)
 class JobRef:
     """A job's id, engine id and last update: what the reconciler pages through."""
@@ -367,7 +371,9 @@ class JobStore:
         if conn is None:
             async with self.connection() as raw:
                 return await self.create_many(news, now=now, ids=ids, conn=raw)
-        inserted = {r[0] for r in await conn.fetch(_INSERT_MANY, *columns, at)}
+        # A bound on the wait: a connection broken without a word (a dropped NAT entry) would
+        # otherwise hold every submission of the process until TCP gives up.
+        inserted = {r[0] for r in await conn.fetch(_INSERT_MANY, *columns, at, timeout=WRITE_TIMEOUT)}
         keys = [
             (n.tenant, n.idempotency_key)
             for n, i in zip(news, ids, strict=True)
@@ -375,7 +381,9 @@ class JobStore:
         ]
         firsts: dict[tuple[str, str], Any] = {}
         if keys:
-            found = await conn.fetch(_BY_KEYS, [k[0] for k in keys], [k[1] for k in keys])
+            found = await conn.fetch(
+                _BY_KEYS, [k[0] for k in keys], [k[1] for k in keys], timeout=WRITE_TIMEOUT
+            )
             firsts = {(r["tenant"], r["idempotency_key"]): r for r in found}
         out: list[tuple[StoredJob, bool]] = []
         for n, job_id in zip(news, ids, strict=True):

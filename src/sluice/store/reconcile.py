@@ -31,7 +31,7 @@ from sqlalchemy import update
 
 from sluice.errors import InvalidJobError
 from sluice.store.schema import JobRow
-from sluice.store.sink import caught_up, engine_key
+from sluice.store.sink import engine_key, sink_horizon
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -123,9 +123,13 @@ class Reconciler:
         if self.ledger is not None:
             # Budgets first: the engine refuses a job whose budget it does not know.
             await self.ledger.restore_missing()
-        self._unseen = await self._sweep(
-            done, older_than, unseen_only=True, pages=None, after=self._unseen, wrap=False
-        )
+        # From a grace before where the last pass stopped: a row committed late (its time is
+        # taken before its INSERT) is not passed by. Rows found are marked and leave the set.
+        last = self._unseen
+        start = (last[0] - timedelta(seconds=self.grace), uuid.UUID(int=0)) if last is not None else None
+        checked = await self._sweep(done, older_than, unseen_only=True, pages=None, after=start, wrap=False)
+        if checked is not None and (last is None or checked > last):
+            self._unseen = checked
         epoch: Any = await self.queue.redis.get(self.queue.keys.epoch)
         if full or (self._epoch is not None and epoch != self._epoch):
             self._cursor = self._unseen = None
@@ -147,11 +151,10 @@ class Reconciler:
     ) -> tuple[datetime, uuid.UUID] | None:
         """Pages of unfinished jobs checked against Redis; returns where to go on (at the end:
         None, to start again, or with ``wrap=False`` the last job checked)."""
-        # A job the engine finished but the store did not: its events were lost (the stream
-        # was trimmed past them) only if the sink has applied all it has; while it works
-        # through a backlog, the final states are its to write (each here cost an UPDATE of
-        # its own, measured as a third of an API process during a drain).
-        sink_done = await caught_up(self.queue)
+        # A job the engine finished but the store did not is finished here only if its last
+        # event is behind the sink's horizon: handed to the sink, or trimmed from the stream
+        # unread (lost). One the sink has still to read is the sink's to write.
+        horizon = await sink_horizon(self.queue)
         while pages is None or pages > 0:
             jobs = await self.store.unfinished(
                 self.queue.name, older_than=older_than, after=after, limit=PAGE, unseen_only=unseen_only
@@ -160,16 +163,12 @@ class Reconciler:
                 return None if wrap else after
             done.looked += len(jobs)
             found = await self._engine_ids([j for j in jobs if j.engine_id is None])
-            # A job found by its key is one the engine took; its state matters only to finish
-            # it, which waits for the sink to be done (the common case under load: one read).
-            look = [j.engine_id or (found.get(j.id) if sink_done else None) for j in jobs]
-            views = await self._engine_views(look)
-            for job, view in zip(jobs, views, strict=True):
-                idem, state = view
-                if job.engine_id is None and job.id in found and not sink_done:
-                    continue  # the engine holds it
+            await self._mark_seen(found)
+            views = await self._engine_views([j.engine_id or found.get(j.id) for j in jobs])
+            for job, (idem, state, finished_ms) in zip(jobs, views, strict=True):
                 if idem == self.queue.keys.idem(engine_key(job.id)):  # the engine holds it
-                    if sink_done and state in FINAL_STATUS:
+                    behind = horizon is None or (finished_ms is not None and finished_ms < horizon)
+                    if state in FINAL_STATUS and behind:
                         record = await self.queue.get_job(str(job.engine_id or found[job.id]))
                         if record is not None and await self._finish_from(job, record):
                             done.finished += 1
@@ -208,19 +207,35 @@ class Reconciler:
         values: list[Any] = await self.queue.redis.mget([prefix + engine_key(j.id) for j in jobs])
         return {j.id: int(v) for j, v in zip(jobs, values, strict=True) if v is not None and v.isdigit()}
 
-    async def _engine_views(self, engine_ids: list[int | None]) -> list[tuple[str | None, str | None]]:
-        """Each job's engine idempotency key and state, as the engine has them ((None, None):
-        no such job, or no id to look up): two fields, not the whole record."""
+    async def _engine_views(
+        self, engine_ids: list[int | None]
+    ) -> list[tuple[str | None, str | None, int | None]]:
+        """Each job's engine idempotency key, state and finish time (ms), as the engine has
+        them ((None, None, None): no such job, or no id to look up): three fields, not the
+        whole record."""
         asked = [i for i in engine_ids if i]
         if not asked:
-            return [(None, None)] * len(engine_ids)
+            return [(None, None, None)] * len(engine_ids)
         keys = self.queue.keys
         async with self.queue.redis.pipeline(transaction=False) as pipe:
             for engine_id in asked:
-                pipe.hmget(keys.job(str(engine_id)), "idem", "state")
+                pipe.hmget(keys.job(str(engine_id)), "idem", "state", "finished")
             replies: list[list[bytes | None]] = await pipe.execute()
-        views = {i: (_text(idem), _text(state)) for i, (idem, state) in zip(asked, replies, strict=True)}
-        return [views[i] if i else (None, None) for i in engine_ids]
+        views = {
+            i: (_text(idem), _text(state), int(fin) if fin and fin.isdigit() else None)
+            for i, (idem, state, fin) in zip(asked, replies, strict=True)
+        }
+        return [views[i] if i else (None, None, None) for i in engine_ids]
+
+    async def _mark_seen(self, found: dict[uuid.UUID, int]) -> None:
+        """The engine ids found by key, written on rows no event has named yet, once: later
+        passes look such a job up by its id, not by its key, which expires (the queue's
+        idempotency TTL, a day by default) while a delayed or waiting job may not."""
+        if not found:
+            return
+        async with self.store.connection() as raw, raw.transaction():
+            await raw.execute("SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off")
+            await raw.execute(_MARK_SEEN, list(found), list(found.values()))
 
     async def _finish_from(self, job: JobRef, record: JobRecord) -> bool:
         status = FINAL_STATUS.get(record.state.value)
@@ -266,3 +281,11 @@ class Reconciler:
 
 def _text(value: bytes | None) -> str | None:
     return value.decode() if value else None
+
+
+# By primary key; a row some event named meanwhile keeps the id the event gave it.
+_MARK_SEEN = """
+UPDATE jobs AS j SET engine_id = d.engine_id
+FROM unnest($1::uuid[], $2::bigint[]) AS d(id, engine_id)
+WHERE j.id = d.id AND j.engine_id IS NULL
+"""

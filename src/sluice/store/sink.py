@@ -100,6 +100,25 @@ async def caught_up(queue: Queue) -> bool:
     return last is None or _stream_id(group["last-delivered-id"]) >= _stream_id(last[0])
 
 
+async def sink_horizon(queue: Queue) -> int | None:
+    """A time (ms) before which every event of the queue has been handed to the sink or trimmed
+    from the stream unread: a transition older than this will not reach the store through the
+    sink unless it already has. None: no sink reads this queue (nothing else will write it)."""
+    redis, events = queue.redis, queue.keys.events
+    try:
+        groups: list[dict[str, Any]] = await redis.xinfo_groups(events)
+        group = next((g for g in groups if _text(g["name"]) == GROUP), None)
+        if group is None:
+            return None
+        info = await redis.xinfo_stream(events)
+    except ResponseError:  # no stream at all
+        return None
+    delivered = _stream_id(group["last-delivered-id"])[0]
+    first = info.get("first-entry")
+    oldest = _stream_id(first[0])[0] if first else _stream_id(info["last-generated-id"])[0] + 1
+    return max(delivered, oldest)
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -265,6 +284,7 @@ class TransitionSink:
         redis, key = self.queue.redis, self.queue.keys.events
         entries: list[tuple[bytes, dict[bytes, bytes]]] = []
         if not self._pending_done:
+            await self.flush()  # what is being written is pending too: read it once, written
             entries = await self._read("0")
             if not entries:
                 self._pending_done = True
@@ -440,6 +460,17 @@ class TransitionSink:
                     "SET LOCAL enable_seqscan = off"
                 )
                 await raw.execute(_UPDATE, *rows)
+                # Ends of attempts begun in earlier batches first: one that names no token
+                # ends the job's latest attempt, which must not yet be one this batch begins.
+                for chunk in _without_repeats(ends):
+                    await raw.execute(
+                        _END,
+                        [j for j, _ in chunk],
+                        [e["token"] for _, e in chunk],
+                        [e["outcome"] for _, e in chunk],
+                        [e["error"] for _, e in chunk],
+                        [e["at"] for _, e in chunk],
+                    )
                 if starts:
                     await raw.execute(
                         _START,
@@ -452,15 +483,6 @@ class TransitionSink:
                         [s.get("outcome") for _, s in starts],
                         [s.get("error") for _, s in starts],
                     )
-                for chunk in _without_repeats(ends):
-                    await raw.execute(
-                        _END,
-                        [j for j, _ in chunk],
-                        [e["token"] for _, e in chunk],
-                        [e["outcome"] for _, e in chunk],
-                        [e["error"] for _, e in chunk],
-                        [e["at"] for _, e in chunk],
-                    )
 
 
 #: An attempt's end, for the job it belongs to.
@@ -472,8 +494,12 @@ def _attempts(patches: list[_Patch]) -> tuple[list[_End], list[_End]]:
     not an INSERT then an UPDATE), and the ends of attempts started in earlier batches."""
     starts: list[_End] = []
     ends: list[_End] = []
+    seen: set[tuple[uuid.UUID, int]] = set()
     for p in patches:
-        begun = {s["token"]: dict(s) for s in p.starts}
+        # One row per (job, token) in a statement: ON CONFLICT DO UPDATE refuses to change a
+        # row twice (two engine copies of one stored job would each bring their token 1).
+        begun = {s["token"]: dict(s) for s in p.starts if (p.job, s["token"]) not in seen}
+        seen.update((p.job, token) for token in begun)
         for end in p.ends:
             start = begun.get(end["token"])
             if start is not None and "finished_at" not in start:
