@@ -240,6 +240,24 @@ async def test_a_stored_job_the_engine_refuses_ends_rejected_and_does_not_stop_t
     assert (await api.reconciler.reconcile(now=later)).rejected == 0
 
 
+async def test_a_stored_job_whose_budget_is_unknown_ends_rejected(api: Running) -> None:
+    # Given a row naming a budget neither Redis nor the store's copy knows, and a good one
+    from sluice.service.routes_v1 import new_job
+    from sluice.service.schemas import JobIn
+
+    good = new_job(JobIn.model_validate({"type": "generic"}), "default", "jobs", None)
+    bad = dataclasses.replace(good, tokens=5, budget="nowhere")
+    stored_bad, _ = await api.svc.store.create(bad)
+    stored_good, _ = await api.svc.store.create(good)
+    # When the reconciler passes
+    later = stored_good.created_at + (await _grace(api))
+    done = await api.reconciler.reconcile(now=later)
+    # Then the pass goes on past it: REJECTED, saying which budget, and the good one enqueued
+    assert (done.rejected, done.enqueued) == (1, 1)
+    row = await api.svc.store.get(stored_bad.id)
+    assert row is not None and row.status == "REJECTED" and "nowhere" in (row.error or "")
+
+
 async def test_jobs_redis_forgot_are_enqueued_again(api: Running, prefix: str, redis_url: str) -> None:
     # Given two jobs accepted and known to the store, then Redis loses its data
     ids = [

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import update
 
-from sluice.errors import InvalidJobError
+from sluice.errors import BudgetNotFound, InvalidJobError
 from sluice.store.schema import JobRow
 from sluice.store.sink import engine_key, sink_horizon
 
@@ -178,9 +178,10 @@ class Reconciler:
                     continue
                 try:
                     added = await self.enqueue(self.queue, whole)
-                except InvalidJobError as exc:
+                except (InvalidJobError, BudgetNotFound) as exc:
                     # A row the engine will never take (stored by an older version that checked
-                    # less): it ends REJECTED, saying why, rather than stop every pass here.
+                    # less, or naming a budget that neither Redis nor the store's copy knows):
+                    # it ends REJECTED, saying why, rather than stop every pass here.
                     await self._reject(job, str(exc))
                     done.rejected += 1
                     continue
