@@ -282,7 +282,7 @@ async def test_a_job_waiting_past_the_grace_is_found_by_its_key_once_and_never_e
 ) -> None:
     # Given jobs accepted and waiting (no worker; one delayed by a week): the sink skips
     # 'added', so no row has an engine id yet
-    bodies = [{"type": "generic", "payload": {"i": i}} for i in range(2)]
+    bodies: list[dict[str, Any]] = [{"type": "generic", "payload": {"i": i}} for i in range(2)]
     bodies.append({"type": "generic", "payload": {}, "delay": 7 * 86_400_000})
     answers = [await api.client.post("/jobs", json=body) for body in bodies]
     ids = [uuid.UUID(a.json()["id"]) for a in answers]
