@@ -106,7 +106,12 @@ async def test_under_the_limit_every_call_succeeds_with_openai_shaped_replies() 
     first = replies[0].json()
     assert first["object"] == "chat.completion"
     assert first["choices"][0]["message"]["role"] == "assistant"
-    assert first["usage"] == {"prompt_tokens": 10, "completion_tokens": 40, "total_tokens": 50}
+    assert first["usage"] == {
+        "prompt_tokens": 10,
+        "completion_tokens": 40,
+        "total_tokens": 50,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert len({r.json()["id"] for r in replies}) == 20
     assert int(replies[-1].headers["x-ratelimit-limit-requests"]) == 20
     assert stats["requests"] == stats["accepted"] == 20

@@ -1,0 +1,172 @@
+"""What every LLM provider is to the rest of Sluice: two calls, and what they cost.
+
+A provider answers ``complete`` (a chat completion) and ``embed`` (vectors
+for texts). Every answer carries the usage the provider reported and its
+cost, so that the handler can charge the budget what was really spent.
+Failures come out as three kinds, because a queue must do three different
+things with them:
+
+* :class:`ProviderThrottled` (a 429, or a quota error): the engine's
+  :class:`~sluice.errors.Throttled`, so raising it from a handler pauses the
+  queue for ``retry_after`` and returns the job to waiting without counting
+  a failure;
+* :class:`ProviderUnavailable` (a 5xx, a timeout, a broken connection): an
+  ordinary exception, retried with the job's backoff;
+* :class:`ProviderRejected` (a 4xx the request itself caused: a bad key, an
+  unknown model, a malformed request): a
+  :class:`~sluice.errors.PermanentError`, so the job is dead-lettered at once
+  instead of retried ten times into the same answer.
+
+Provider keys are read from the environment by the provider's constructor
+and are never part of an error message, a log line or a repr.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypedDict, runtime_checkable
+
+from sluice.errors import PermanentError, SluiceError, Throttled
+
+Role = Literal["system", "user", "assistant"]
+
+
+class Message(TypedDict):
+    """One chat message, as OpenAI's protocol spells it (the others are translated)."""
+
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens an answer used, as the provider reported them. ``cached_tokens`` is the part of
+    ``prompt_tokens`` served from the provider's prompt cache (billed at the cached price)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimits:
+    """What the provider said about its limits in an answer's headers (None: not said).
+
+    ``reset_*`` are seconds from the answer until that window is full again.
+    """
+
+    limit_requests: int | None = None
+    remaining_requests: int | None = None
+    reset_requests: float | None = None
+    limit_tokens: int | None = None
+    remaining_tokens: int | None = None
+    reset_tokens: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A chat completion: the text, the usage reported, and its cost in US dollars (None: the
+    model has no price in the pricing table)."""
+
+    text: str
+    model: str
+    provider: str
+    usage: Usage
+    cost: float | None = None
+    finish_reason: str | None = None
+    #: the provider's id of the answer (for support tickets), if it gave one
+    response_id: str | None = None
+    limits: RateLimits = field(default_factory=RateLimits)
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """One vector per input text, in input order."""
+
+    vectors: list[list[float]]
+    model: str
+    provider: str
+    usage: Usage = field(default_factory=Usage)
+    cost: float | None = None
+
+
+class ProviderError(SluiceError):
+    """A provider call failed in a way that is neither a throttle nor the request's fault.
+
+    ``provider`` names it (``openai``, ``anthropic``, ``gemini``, ...); ``status``
+    is the HTTP status, or None when no answer came.
+    """
+
+    def __init__(self, provider: str, message: str, status: int | None = None) -> None:
+        super().__init__(f"{provider}: {message}")
+        self.provider = provider
+        self.status = status
+
+
+class ProviderUnavailable(ProviderError):
+    """A 5xx, a timeout or a broken connection: worth retrying later (the job's backoff)."""
+
+
+class ProviderRejected(PermanentError):
+    """The provider refused the request itself (bad key, unknown model, invalid request):
+    retrying the same request cannot help, so the job goes to the dead-letter queue.
+
+    ``kind`` is ``"auth"``, ``"model"``, ``"request"`` or ``"unsupported"``: the
+    failure analysis classifies the first two as configuration errors.
+    """
+
+    def __init__(
+        self, provider: str, message: str, *, status: int | None = None, kind: str = "request"
+    ) -> None:
+        super().__init__(f"{provider}: {message}")
+        self.provider = provider
+        self.status = status
+        self.kind = kind
+
+
+class ProviderThrottled(Throttled):
+    """The provider said "too many requests" (429, or a quota error): the queue pauses for
+    ``retry_after`` seconds and the job waits again, its attempt not counted."""
+
+    def __init__(
+        self, provider: str, retry_after: float, message: str = "", limits: RateLimits | None = None
+    ) -> None:
+        super().__init__(min(max(retry_after, 0.0), 86_400.0), f"{provider}: {message or 'rate limited'}")
+        self.provider = provider
+        self.limits = limits or RateLimits()
+
+
+@runtime_checkable
+class Provider(Protocol):
+    """An LLM provider. Implementations: :mod:`sluice.llm.openai` (any OpenAI-compatible
+    server), :mod:`sluice.llm.anthropic`, :mod:`sluice.llm.gemini`, and the simulated one of
+    :mod:`sluice.testing`."""
+
+    #: short lowercase name: "openai", "anthropic", "gemini", "simulated", ...
+    name: str
+
+    async def complete(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str,
+        max_tokens: int,
+        temperature: float | None = None,
+        idempotency_key: str | None = None,
+    ) -> Completion:
+        """One chat completion of at most ``max_tokens`` output tokens."""
+        ...
+
+    async def embed(self, texts: Sequence[str], *, model: str) -> Embeddings:
+        """One vector per text (raises ProviderRejected(kind="unsupported") if the provider has
+        no embeddings)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close connections (the provider is not used afterwards)."""
+        ...
