@@ -69,6 +69,10 @@ def goodput(
         typer.Option("--variant", help="sluice-limited and/or no-limiter (repeatable; default both)."),
     ] = None,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds one variant may take.")] = 180.0,
+    client: Annotated[
+        str,
+        typer.Option(help="provider: calls through Sluice's OpenAIProvider; raw: a bare httpx client."),
+    ] = "provider",
     redis: RedisOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
@@ -99,6 +103,7 @@ def goodput(
             backoff_base=backoff_base,
             backoff_max=backoff_max,
             timeout=timeout,
+            client=client,
         )
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")

@@ -77,7 +77,7 @@ from sluice.engine.clock import now_ms
 from sluice.engine.job import JobSpec
 from sluice.engine.queue import Queue
 from sluice.lab.common import drop_queue, new_queue_name
-from sluice.lab.goodput_worker import ENV_PROVIDER, ENV_REDIS, ENV_RUNS_KEY
+from sluice.lab.goodput_worker import CLIENTS, ENV_CLIENT, ENV_PROVIDER, ENV_REDIS, ENV_RUNS_KEY
 from sluice.lab.procs import WorkerGroup
 from sluice.lab.stats import summarize_ms
 from sluice.testing.provider import (
@@ -159,8 +159,12 @@ class GoodputSpec:
     backoff_max: float = 1.0
     #: seconds one variant may take
     timeout: float = 180.0
+    #: how the workers call: "provider" (Sluice's OpenAIProvider) or "raw" (bare httpx)
+    client: str = "provider"
 
     def __post_init__(self) -> None:
+        if self.client not in CLIENTS:
+            raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
         if not 1 <= self.pace <= self.requests:
             raise ValueError(f"pace must be from 1 to requests ({self.requests}), got {self.pace}")
 
@@ -197,7 +201,7 @@ async def run_variant(
     queue = Queue(name, redis=redis)
     runs_key = queue.keys.base + "bench-runs"
     with serve_provider(spec.provider_limits()) as provider_url:
-        env = {ENV_PROVIDER: provider_url, ENV_REDIS: url, ENV_RUNS_KEY: runs_key}
+        env = {ENV_PROVIDER: provider_url, ENV_REDIS: url, ENV_RUNS_KEY: runs_key, ENV_CLIENT: spec.client}
         group = WorkerGroup(url, name, spec.concurrency, env=env, log_dir=log_dir, target=WORKER_TARGET)
         try:
             group.start(spec.processes)

@@ -11,6 +11,11 @@ the environment. The job's name picks the variant, so one worker serves both:
 * ``call_retry``: no limits; a 429 is an ordinary failure, retried with the
   job's backoff like any other error (the usual retry-on-429 client).
 
+The call goes through Sluice's own OpenAI-compatible provider
+(:class:`sluice.llm.openai.OpenAIProvider`, one per process, its 429s read
+from the provider's headers), or, with ``SLUICE_GOODPUT_CLIENT=raw``, through
+a bare httpx client per call in flight (the figure of the queue alone).
+
 ``warm_up`` jobs, run first, open the connections (see :func:`warm_up`).
 A job that gets its answer counts itself (``HINCRBY <runs key> <job id> 1``),
 so a lost or twice-run job shows whatever the engine's counters say.
@@ -31,15 +36,25 @@ from sluice import Throttled
 from sluice.engine.connection import connect
 from sluice.engine.context import JobContext
 from sluice.engine.worker import Worker
-from sluice.settings import ENV_GOODPUT_PROVIDER, ENV_GOODPUT_REDIS, ENV_GOODPUT_RUNS_KEY
+from sluice.settings import (
+    ENV_GOODPUT_CLIENT,
+    ENV_GOODPUT_PROVIDER,
+    ENV_GOODPUT_REDIS,
+    ENV_GOODPUT_RUNS_KEY,
+)
 from sluice.testing.provider import COMPLETIONS_PATH, REQUEST_ID_HEADER, STATS_PATH
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
+    from sluice.llm.openai import OpenAIProvider
+
 ENV_PROVIDER = ENV_GOODPUT_PROVIDER
 ENV_REDIS = ENV_GOODPUT_REDIS
 ENV_RUNS_KEY = ENV_GOODPUT_RUNS_KEY
+ENV_CLIENT = ENV_GOODPUT_CLIENT
+#: how calls are made: Sluice's provider (the default) or a bare httpx client
+CLIENTS = ("provider", "raw")
 MODEL = "simulated"
 
 #: The benchmark passes --queue and --concurrency; these are only defaults.
@@ -63,6 +78,19 @@ class _Clients:
     def __init__(self) -> None:
         self._redis: dict[int, Redis] = {}
         self._idle: dict[int, list[httpx.AsyncClient]] = {}
+        self._providers: dict[int, OpenAIProvider] = {}
+
+    def provider(self) -> OpenAIProvider:
+        from sluice.llm.openai import OpenAIProvider
+
+        loop_id = id(asyncio.get_running_loop())
+        found = self._providers.get(loop_id)
+        if found is None:
+            base = os.environ[ENV_PROVIDER] + "/v1"
+            found = self._providers[loop_id] = OpenAIProvider(
+                base_url=base, api_key_env=None, name="simulated"
+            )
+        return found
 
     def redis(self) -> Redis:
         loop_id = id(asyncio.get_running_loop())
@@ -96,6 +124,24 @@ async def _call(job: JobContext) -> httpx.Response:
         return await http.post(COMPLETIONS_PATH, json=body, headers={REQUEST_ID_HEADER: job.id})
 
 
+def _through_provider() -> bool:
+    return os.environ.get(ENV_CLIENT, "provider") == "provider"
+
+
+async def _provider_call(job: JobContext) -> int:
+    """The call through OpenAIProvider: its 429 is a ProviderThrottled (a Throttled) with the wait
+    the provider's headers gave; the job id goes as X-Client-Request-Id (arrival matching)."""
+    payload: dict[str, Any] = job.payload
+    answer = await _clients.provider().complete(
+        [{"role": "user", "content": payload["prompt"]}],
+        model=MODEL,
+        max_tokens=payload["max_tokens"],
+        idempotency_key=job.id,
+    )
+    await _clients.redis().hincrby(os.environ[ENV_RUNS_KEY], job.id, 1)
+    return answer.usage.total_tokens
+
+
 async def _answered(job: JobContext, reply: httpx.Response) -> int:
     """Check the answer, count this run of the job, return the tokens it used."""
     reply.raise_for_status()
@@ -113,6 +159,8 @@ async def warm_up(job: JobContext) -> None:
     first call of a cold process spends tens of milliseconds building its
     client, which would show as dispatch-to-arrival jitter.
     """
+    if _through_provider():
+        _clients.provider()  # built before the workload, as a long-running worker's is
     async with _clients.http() as http:
         (await http.get(STATS_PATH)).raise_for_status()
         # Holding the client a moment makes concurrent warm-ups build distinct clients.
@@ -122,6 +170,10 @@ async def warm_up(job: JobContext) -> None:
 @worker.handler
 async def call_limited(job: JobContext) -> int:
     """One call under the queue's limits: a 429 pauses the queue for as long as the provider says."""
+    if _through_provider():
+        total = await _provider_call(job)  # a 429 raises ProviderThrottled: the queue pauses
+        job.record_usage(total)
+        return total
     reply = await _call(job)
     if reply.status_code == 429:
         raise Throttled(retry_after=int(reply.headers["retry-after-ms"]) / 1000)
@@ -133,6 +185,13 @@ async def call_limited(job: JobContext) -> int:
 @worker.handler
 async def call_retry(job: JobContext) -> int:
     """One call with no limits: a 429 fails the attempt, and the job's backoff decides when to retry."""
+    if _through_provider():
+        from sluice.llm.provider import ProviderThrottled
+
+        try:
+            return await _provider_call(job)
+        except ProviderThrottled as exc:
+            raise ProviderRateLimited(f"429 from the provider, retry after {exc.retry_after:g} s") from None
     reply = await _call(job)
     if reply.status_code == 429:
         raise ProviderRateLimited(
