@@ -8,9 +8,10 @@ migrate once and the others wait for it, not race it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from alembic import command
 from alembic.config import Config
@@ -79,6 +80,8 @@ class Database:
         self.sessions: async_sessionmaker[AsyncSession] = async_sessionmaker(
             self.engine, expire_on_commit=False
         )
+        self._raw: Any = None
+        self._raw_lock = asyncio.Lock()
 
     def __repr__(self) -> str:
         return f"Database({redact_url(self.url)!r})"
@@ -120,7 +123,26 @@ class Database:
         async with self.engine.connect() as conn:
             await conn.execute(text("SELECT 1"))
 
+    async def raw_pool(self) -> Any:
+        """A small pool of asyncpg's own connections (an ``asyncpg.Pool``), made on first use.
+
+        For hot paths with a latency target (the semantic cache's lookups): the
+        main pool pings every connection it lends (``pool_pre_ping``: a round
+        trip, to notice one the server closed), where asyncpg's pool notices a
+        closed connection by itself and lends the next at no cost.
+        """
+        async with self._raw_lock:
+            if self._raw is None:
+                import asyncpg  # type: ignore[import-untyped]
+
+                dsn = self.url.replace("postgresql+asyncpg://", "postgresql://", 1)
+                self._raw = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
+        return self._raw
+
     async def close(self) -> None:
+        if self._raw is not None:
+            raw, self._raw = self._raw, None
+            await raw.close()
         await self.engine.dispose()
 
     async def __aenter__(self) -> Database:

@@ -16,11 +16,13 @@ import uuid
 from datetime import datetime
 from typing import Any
 
+from pgvector.sqlalchemy import Vector
 from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     MetaData,
@@ -31,6 +33,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+#: Dimensions of the semantic cache's vectors (the local embedder's; provider embedders are asked
+#: for as many).
+CACHE_DIMENSIONS = 384
 
 #: Constraint names spelled out, so that migrations and models name them alike.
 NAMING = {
@@ -149,6 +155,49 @@ class BudgetRow(Base):
     restored_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
+class CacheEntryRow(Base):
+    """One answer of the semantic cache (``llm/cache.py``).
+
+    ``scope`` is a hash of everything besides the prompt that shapes an answer
+    (provider, model, generation parameters, the conversation before the last
+    message): an entry is found only within its tenant and scope, so no hit
+    crosses a tenant or a model. ``prompt_hash`` serves repeats exactly, before
+    any embedding; ``embedding`` (unit length, by ``embedder``) the neighbours.
+    """
+
+    __tablename__ = "llm_cache"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=True), primary_key=True)
+    tenant: Mapped[str] = mapped_column(Text, nullable=False)
+    scope: Mapped[str] = mapped_column(Text, nullable=False)
+    prompt_hash: Mapped[str] = mapped_column(Text, nullable=False)
+    prompt: Mapped[str] = mapped_column(Text, nullable=False)
+    embedder: Mapped[str] = mapped_column(Text, nullable=False)
+    embedding: Mapped[Any] = mapped_column(Vector(CACHE_DIMENSIONS), nullable=False)
+    response: Mapped[Any] = mapped_column(JSONB, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    hits: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    last_hit_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        # The exact path, and a partition's rows for a scan when it is small.
+        UniqueConstraint("tenant", "scope", "prompt_hash"),
+        # Nearest neighbours by cosine distance: HNSW, not IVFFlat, because IVFFlat's lists are
+        # fixed when the index is built (on an empty table at migration time, so all rows would
+        # fall in one list) while HNSW stays accurate as entries come and go.
+        Index(
+            "ix_llm_cache_embedding",
+            "embedding",
+            postgresql_using="hnsw",
+            postgresql_with={"m": 16, "ef_construction": 64},
+            postgresql_ops={"embedding": "vector_cosine_ops"},
+        ),
+        # The purge: expired entries, oldest first.
+        Index("ix_llm_cache_expires_at", "expires_at"),
+    )
+
+
 class ApiKeyRow(Base):
     """An API key: only its SHA-256 is stored (keys are 256 random bits, so a fast hash is
     enough: there is nothing to guess). ``prefix`` is the start of the key, shown in lists so
@@ -164,3 +213,90 @@ class ApiKeyRow(Base):
     digest: Mapped[str] = mapped_column(Text, nullable=False, unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+# ---- failure analysis (store/patterns.py) ------------------------------------------------------------------
+class FailurePatternRow(Base):
+    """One failure pattern: the jobs of one tenant and queue that ended badly (dead-lettered,
+    rejected, exhausted) with the same fingerprint (job type, error type, normalized message).
+
+    ``count`` counts deaths, not jobs (a redriven job that dies again counts again);
+    ``sample_job``/``sample_error`` are the latest one's. ``analysis`` is the cached LLM
+    explanation (None: none yet), ``analysis_job`` the analysis job while it is pending,
+    ``analysis_error`` why the last one failed and ``analysis_tries`` how many did (part of
+    the next one's idempotency key, so that asking again after a failure makes a new job).
+    """
+
+    __tablename__ = "failure_patterns"
+
+    tenant: Mapped[str] = mapped_column(Text, primary_key=True)
+    queue: Mapped[str] = mapped_column(Text, primary_key=True)
+    id: Mapped[str] = mapped_column(Text, primary_key=True)
+    job_type: Mapped[str] = mapped_column(Text, nullable=False)
+    error_type: Mapped[str] = mapped_column(Text, nullable=False)
+    message: Mapped[str] = mapped_column(Text, nullable=False)
+    category: Mapped[str] = mapped_column(Text, nullable=False)
+    count: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    sample_job: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    sample_error: Mapped[str | None] = mapped_column(Text)
+    analysis: Mapped[Any | None] = mapped_column(JSONB)
+    analysis_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    analysis_job: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+    analysis_error: Mapped[str | None] = mapped_column(Text)
+    analysis_tries: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+
+    __table_args__ = (
+        # The pending analyses, which each collector pass settles: few rows, found without a scan.
+        Index(
+            "ix_failure_patterns_analysis_job",
+            "analysis_job",
+            postgresql_where=text("analysis_job IS NOT NULL"),
+        ),
+    )
+
+
+class FailurePatternJobRow(Base):
+    """Which pattern a job was counted into, at which lease (``token``, the highest of its
+    attempts then): the collector's proof that a death was counted, so that no job is counted
+    twice across passes and restarts, while a redriven job that dies again (a new lease) is.
+    ``dead_at`` is the job's ``updated_at`` when counted (where a restarted collector goes on)."""
+
+    __tablename__ = "failure_pattern_jobs"
+
+    job_id: Mapped[uuid.UUID] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    tenant: Mapped[str] = mapped_column(Text, nullable=False)
+    queue: Mapped[str] = mapped_column(Text, nullable=False)
+    pattern: Mapped[str] = mapped_column(Text, nullable=False)
+    status: Mapped[str] = mapped_column(Text, nullable=False)
+    token: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    deaths: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("1"))
+    dead_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+    __table_args__ = (
+        # A pattern's jobs, latest death first.
+        Index(
+            "ix_failure_pattern_jobs_pattern",
+            "tenant",
+            "queue",
+            "pattern",
+            text("dead_at DESC"),
+            text("job_id DESC"),
+        ),
+        # Where a collector that starts (or takes the lead) goes on from.
+        Index("ix_failure_pattern_jobs_dead_at", "dead_at"),
+    )
+
+
+#: The collector's page over ``jobs``: the jobs that ended badly, in the order they did. Partial,
+#: so it holds a few rows per failure and nothing for the jobs that completed. (Declared here, not
+#: in ``JobRow``, to keep the failure analysis's schema in one place.)
+Index(
+    "ix_jobs_failed",
+    JobRow.updated_at,
+    JobRow.id,
+    postgresql_where=text("status IN ('DEAD_LETTER', 'REJECTED', 'EXHAUSTED')"),
+)
