@@ -70,6 +70,14 @@ ENV_GOODPUT_RUNS_KEY = "SLUICE_GOODPUT_RUNS_KEY"
 ENV_GOODPUT_CLIENT = "SLUICE_GOODPUT_CLIENT"
 
 
+def environment() -> Mapping[str, str]:
+    """The process's environment, for the parts that read a documented variable when their
+    caller passes no mapping of its own: provider keys (``OPENAI_API_KEY``...), which by
+    convention come from the environment, and the LLM layer's ``*_from_env`` builders. Every
+    such variable is in :data:`ENVIRONMENT`; nothing else in Sluice reads ``os.environ``."""
+    return os.environ
+
+
 class Variable(NamedTuple):
     name: str
     default: str
@@ -110,6 +118,64 @@ ENVIRONMENT = (
         "Requests per second each API key may make, counted in Redis for all API processes (0: none).",
     ),
     Variable("SLUICE_RATE_BURST", "400", "Requests an API key may make at once above SLUICE_RATE_LIMIT."),
+    Variable(
+        "SLUICE_LLM_PROVIDER",
+        "(none: the offline model)",
+        "The provider of llm-inference jobs and failure analyses: openai, anthropic, gemini, ollama or "
+        "openai-compatible (ArQueue's AI_PROVIDER is read too).",
+    ),
+    Variable(
+        "AI_PROVIDER", "(none)", "ArQueue's name for SLUICE_LLM_PROVIDER (ours wins when both are set)."
+    ),
+    Variable(
+        "SLUICE_LLM_MODEL",
+        "(the provider's: gpt-4o-mini, claude-haiku-4-5, gemini-2.5-flash, llama3.2)",
+        "The model llm-inference jobs use unless their payload names one.",
+    ),
+    Variable("AI_MODEL", "(none)", "ArQueue's name for SLUICE_LLM_MODEL."),
+    Variable(
+        "SLUICE_LLM_BASE_URL",
+        "(the provider's)",
+        "The provider's address (required for openai-compatible: vLLM, LM Studio, a proxy).",
+    ),
+    Variable("SLUICE_LLM_API_KEY", "(none)", "The key of an openai-compatible server, if it wants one."),
+    Variable(
+        "OPENAI_API_KEY", "(none)", "OpenAI's key: sent only to api.openai.com; never logged or stored."
+    ),
+    Variable("ANTHROPIC_API_KEY", "(none)", "Anthropic's key; never logged or stored."),
+    Variable("GEMINI_API_KEY", "(none)", "Gemini's key (else GOOGLE_API_KEY); never logged or stored."),
+    Variable("GOOGLE_API_KEY", "(none)", "Gemini's key when GEMINI_API_KEY is not set."),
+    Variable(
+        "OLLAMA_HOST", "localhost:11434", "Ollama's address (host, host:port or URL) for provider ollama."
+    ),
+    Variable(
+        "SLUICE_PRICING_FILE",
+        "(none: list prices)",
+        'JSON prices overriding the built-in table: {"openai/gpt-4o": {"input": 2.5, "output": 10}} '
+        "(US dollars per million tokens; cached_input too).",
+    ),
+    Variable(
+        "CACHE_SIMILARITY_THRESHOLD",
+        "0.92",
+        "The semantic cache's least cosine similarity of a hit (SLUICE_CACHE_SIMILARITY_THRESHOLD wins).",
+    ),
+    Variable("SLUICE_CACHE_SIMILARITY_THRESHOLD", "0.92", "The same, by our name."),
+    Variable("CACHE_TTL_MS", "86400000", "How long a cached answer is served (SLUICE_CACHE_TTL_MS wins)."),
+    Variable("SLUICE_CACHE_TTL_MS", "86400000", "The same, by our name."),
+    Variable("SLUICE_CACHE", "on", "off: llm-inference jobs never use the semantic cache."),
+    Variable(
+        "SLUICE_FAILURE_COLLECT_INTERVAL",
+        "30",
+        "Seconds between passes that group the jobs that ended badly into failure patterns.",
+    ),
+    Variable(
+        "SLUICE_ANALYSIS_BUDGET",
+        "failure-analysis",
+        "The budget LLM failure analyses spend from (made with a daily window when missing).",
+    ),
+    Variable(
+        "SLUICE_ANALYSIS_BUDGET_TOKENS", "200000", "That budget's daily limit, in tokens, when it is made."
+    ),
     Variable(ENV_LOG_LEVEL, "info", "debug, info, warning or error."),
     Variable(ENV_LOG_FORMAT, "console", "console (readable lines) or json (one object per line)."),
     Variable(ENV_DEBUG, "0", "1: errors print their traceback, as --debug does."),

@@ -8,7 +8,6 @@ cache read or wrote, which are reported apart.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ import httpx
 
 from sluice.llm.http import DEFAULT_MAX_CONNECTIONS, HTTPProvider, check_base_url, cost_of, read_key
 from sluice.llm.provider import Completion, Embeddings, Message, ProviderRejected, Usage
+from sluice.settings import environment
 
 DEFAULT_BASE_URL = "https://api.anthropic.com"
 DEFAULT_KEY_ENV = "ANTHROPIC_API_KEY"
@@ -58,7 +58,7 @@ class AnthropicProvider(HTTPProvider):
     ) -> None:
         name = "anthropic"
         key, key_env = read_key(
-            os.environ if env is None else env, [api_key_env], provider=name, required=True, hint=key_hint
+            environment() if env is None else env, [api_key_env], provider=name, required=True, hint=key_hint
         )
         assert key is not None
         super().__init__(

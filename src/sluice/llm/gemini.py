@@ -9,7 +9,6 @@ key goes in the ``x-goog-api-key`` header, never in the URL, where logs would ke
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -18,6 +17,7 @@ import httpx
 
 from sluice.llm.http import DEFAULT_MAX_CONNECTIONS, HTTPProvider, check_base_url, cost_of, read_key
 from sluice.llm.provider import Completion, Embeddings, Message, ProviderRejected, Usage
+from sluice.settings import environment
 
 DEFAULT_BASE_URL = "https://generativelanguage.googleapis.com"
 #: Where the key is looked for, in order (Google's SDKs read the same two).
@@ -77,7 +77,7 @@ class GeminiProvider(HTTPProvider):
     ) -> None:
         name = "gemini"
         key, key_env = read_key(
-            os.environ if env is None else env, KEY_ENVS, provider=name, required=True, hint=key_hint
+            environment() if env is None else env, KEY_ENVS, provider=name, required=True, hint=key_hint
         )
         assert key is not None
         super().__init__(

@@ -8,7 +8,6 @@ is not needed for two calls, and this way every compatible server is served by o
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ from sluice.llm.http import (
     read_key,
 )
 from sluice.llm.provider import Completion, Embeddings, Message, Usage
+from sluice.settings import environment
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 DEFAULT_KEY_ENV = "OPENAI_API_KEY"
@@ -97,7 +97,7 @@ class OpenAIProvider(HTTPProvider):
         key, key_env = (None, None)
         if api_key_env is not None:
             key, key_env = read_key(
-                os.environ if env is None else env,
+                environment() if env is None else env,
                 [api_key_env],
                 provider=name,
                 required=at_openai,

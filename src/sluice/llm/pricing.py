@@ -63,6 +63,7 @@ from pathlib import Path
 
 from sluice.errors import ConfigurationError
 from sluice.llm.provider import Usage
+from sluice.settings import environment
 
 __all__ = [
     "BUILTIN_PRICES",
@@ -441,7 +442,7 @@ def default_table() -> PriceTable:
     effect without a restart. Call this when a worker starts to find a malformed file then,
     not at the first cost: it raises ConfigurationError (also when the file is missing).
     """
-    where = os.environ.get(ENV_PRICING_FILE, "").strip()
+    where = environment().get(ENV_PRICING_FILE, "").strip()
     if not where:
         return BUILTIN_PRICES
     try:

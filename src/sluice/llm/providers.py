@@ -9,7 +9,6 @@ a gateway, a loopback server in tests). The keys stay where each provider's own 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import httpx
@@ -19,6 +18,7 @@ from sluice.llm.anthropic import AnthropicProvider
 from sluice.llm.gemini import GeminiProvider
 from sluice.llm.openai import OpenAIProvider
 from sluice.llm.provider import Provider
+from sluice.settings import environment
 
 ENV_PROVIDER = "SLUICE_LLM_PROVIDER"
 ENV_MODEL = "SLUICE_LLM_MODEL"
@@ -49,8 +49,10 @@ DEFAULT_MODELS: dict[str, str | None] = {
 }
 
 
-def _setting(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
-    """(value, variable) of the first of ``names`` set to something in ``env``."""
+def _setting(env: Mapping[str, str] | None, *names: str) -> tuple[str, str] | None:
+    """(value, variable) of the first of ``names`` set to something in ``env`` (None: the
+    process's environment)."""
+    env = environment() if env is None else env
     for name in names:
         value = env.get(name, "").strip()
         if value:
@@ -58,7 +60,7 @@ def _setting(env: Mapping[str, str], *names: str) -> tuple[str, str] | None:
     return None
 
 
-def provider_name_from_env(env: Mapping[str, str] = os.environ) -> str:
+def provider_name_from_env(env: Mapping[str, str] | None = None) -> str:
     """The provider chosen (``openai`` when nothing is set), as one of :data:`PROVIDERS`."""
     found = _setting(env, ENV_PROVIDER, ARQUEUE_ENV_PROVIDER)
     if found is None:
@@ -73,7 +75,7 @@ def provider_name_from_env(env: Mapping[str, str] = os.environ) -> str:
     return name
 
 
-def model_from_env(env: Mapping[str, str] = os.environ) -> str:
+def model_from_env(env: Mapping[str, str] | None = None) -> str:
     """The model chosen: ``SLUICE_LLM_MODEL``, else ``AI_MODEL``, else the provider's default."""
     found = _setting(env, ENV_MODEL, ARQUEUE_ENV_MODEL)
     if found is not None:
@@ -107,11 +109,12 @@ def ollama_url(host: str | None) -> str:
 
 
 def provider_from_env(
-    env: Mapping[str, str] = os.environ, *, timeout: float | httpx.Timeout | None = None
+    env: Mapping[str, str] | None = None, *, timeout: float | httpx.Timeout | None = None
 ) -> Provider:
     """The provider the environment chooses, built (so a missing key fails now, naming the
     variable to set), with its ``default_model`` attribute from :func:`model_from_env` (None for
     an OpenAI-compatible server without ``SLUICE_LLM_MODEL``)."""
+    env = environment() if env is None else env
     name = provider_name_from_env(env)
     found = _setting(env, ENV_MODEL, ARQUEUE_ENV_MODEL)
     model = found[0] if found is not None else DEFAULT_MODELS[name]

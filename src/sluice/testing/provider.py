@@ -58,7 +58,6 @@ import asyncio
 import hashlib
 import json
 import math
-import os
 import re
 import select
 import signal
@@ -73,6 +72,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 from sluice.errors import MissingExtra
+from sluice.settings import environment
 
 try:
     import uvicorn
@@ -848,7 +848,7 @@ def serve_app_in_process(module: str, args: Sequence[str], api_key: str | None =
     line, where ``ps`` shows it to every user. Leaving the block stops the child (SIGTERM,
     then SIGKILL after a few seconds).
     """
-    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    env = {k: v for k, v in environment().items() if k != API_KEY_ENV}
     if api_key is not None:
         env[API_KEY_ENV] = api_key
     argv = [sys.executable, "-m", module, *args]
@@ -927,7 +927,7 @@ def run_app(app: ASGIApp, host: str) -> None:
 def options_from_argv(argv: Sequence[str]) -> ServerOptions:
     """The options a child was started with: the JSON argument, and the key from its environment."""
     text = argv[0] if argv else ServerOptions().public_json()
-    return ServerOptions.from_public_json(text, os.environ.get(API_KEY_ENV))
+    return ServerOptions.from_public_json(text, environment().get(API_KEY_ENV))
 
 
 if __name__ == "__main__":
