@@ -257,3 +257,8 @@ def test_small_encoded_payloads_hold_their_own_size_only() -> None:
         tracemalloc.stop()
     assert len(kept) == 1000
     assert held < 1000 * 200, f"{held / 1000:.0f} bytes per 10-byte payload"
+
+
+async def test_adding_a_jobspec_with_add_says_to_use_add_bulk(queue: Queue) -> None:
+    with pytest.raises(InvalidJobError, match=r"add_bulk\(\[spec\]\)"):
+        await queue.add(JobSpec("a", {}))  # type: ignore[arg-type]

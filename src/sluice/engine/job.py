@@ -113,6 +113,11 @@ class JobSpec:
     correlation_id: str | None = None
 
     def __post_init__(self) -> None:
+        given: object = self.name
+        if isinstance(given, JobSpec):  # Queue.add(spec): a natural mistake, named as such
+            raise InvalidJobError(
+                "Queue.add takes a job's name and payload; add a JobSpec with add_bulk([spec])"
+            )
         if not isinstance(self.name, str) or not 0 < len(self.name) <= MAX_NAME_LENGTH:
             raise InvalidJobError(
                 f"job name must be a non-empty string of at most {MAX_NAME_LENGTH} characters, "
