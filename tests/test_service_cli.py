@@ -181,3 +181,52 @@ def test_the_readmes_service_commands_run_as_written(tmp_path: Path) -> None:
         assert done["result"] == {"sent": True, "to": "ada@example.com"}  # type: ignore[index]
     finally:
         _stop(proc)
+
+
+def test_the_readmes_llm_commands_run_as_written(tmp_path: Path) -> None:
+    # "LLM jobs and the semantic cache": `sluice dev` with no provider configured (the offline
+    # model), two llm-inference submissions, then the second job: answered from the first's.
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    start = text.index("## LLM jobs and the semantic cache\n")
+    block = re.findall(r"^```sh\n(.*?)^```$", text[start : text.index("\n## ", start + 5)], re.M | re.S)[0]
+    lines = [words for words in (shlex.split(line, comments=True) for line in block.splitlines()) if words]
+    assert lines[0] == [".venv/bin/sluice", "dev"]
+    assert [words[0] for words in lines[1:]] == ["curl", "curl", "curl"]
+    port = free_port()
+    env = {k: v for k, v in _env(tmp_path / ".sluice").items() if k not in ("AI_PROVIDER", "AI_MODEL")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice", "dev", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", proc)
+        job_id = ""
+
+        def curl(words: list[str]) -> dict[str, object]:
+            argv = [w.replace("127.0.0.1:8000", f"127.0.0.1:{port}").replace("JOB_ID", job_id) for w in words]
+            answer: dict[str, object] = json.loads(
+                subprocess.run(argv, capture_output=True, check=True).stdout
+            )
+            return answer
+
+        def completed(job: str) -> dict[str, object]:
+            nonlocal job_id
+            job_id = job
+            found = _until(lambda: (r := curl(lines[3]))["status"] == "COMPLETED" and r, timeout=60)
+            assert isinstance(found, dict)
+            return found
+
+        first = completed(str(curl(lines[1])["id"]))
+        result = first["result"]
+        assert isinstance(result, dict)
+        assert result["cacheHit"] is False and result["provider"] == "offline"
+        second = completed(str(curl(lines[2])["id"]))
+        hit = second["result"]
+        assert isinstance(hit, dict)
+        assert hit["cacheHit"] is True and hit["similarity"] >= 0.92
+        assert hit["response"] == result["response"] and hit["cost"] == 0.0
+    finally:
+        _stop(proc)

@@ -13,10 +13,12 @@ from sluice import logs
 from sluice.cli import (
     bench_cmd,
     budget_cmd,
+    cache_bench_cmd,
     demo,
     dev_cmd,
     dlq_cmd,
     enqueue_cmd,
+    failures_cmd,
     flow_cmd,
     goodput_cmd,
     jobs_cmd,
@@ -104,8 +106,11 @@ app.add_typer(flow_cmd.flow_app, name="flow")
 app.add_typer(redis_cmd.redis_app, name="redis")
 app.add_typer(retention_cmd.retention_app, name="retention")
 app.add_typer(serve_cmd.keys_app, name="keys")
-app.add_typer(bench_cmd.bench_app, name="bench")  # with `lab` and `goodput`, registered by their modules
-_ = lab_cmd, goodput_cmd
+app.add_typer(failures_cmd.failures_app, name="failures")
+app.add_typer(
+    bench_cmd.bench_app, name="bench"
+)  # with `lab`, `goodput`, `cache`: registered by their modules
+_ = lab_cmd, goodput_cmd, cache_bench_cmd
 
 
 def main() -> None:

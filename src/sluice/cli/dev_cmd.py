@@ -55,9 +55,10 @@ def database_url() -> Iterator[str]:
         yield found
 
 
-def _workers(url: str, processes: int, queue: str) -> subprocess.Popen[bytes]:
+def _workers(url: str, database: str, processes: int, queue: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env[ENV_REDIS_URL] = url
+    env[ENV_DATABASE_URL] = database  # llm-inference's semantic cache lives in the store
     argv = [sys.executable, "-m", "sluice", "worker", WORKER_TARGET, "--processes", str(processes)]
     if queue != "jobs":
         raise CliFailure("sluice dev runs the built-in worker on the queue 'jobs'")
@@ -87,7 +88,8 @@ def dev(
 
     No authentication: every caller is the default tenant's admin. Do not
     expose this port; `sluice serve` is for anything else. Built-in job types:
-    generic, email (send_email), llm-inference (simulated). Ctrl-C stops it all.
+    generic, email (send_email), llm-inference (the provider SLUICE_LLM_PROVIDER names,
+    else an offline stand-in model; with the semantic cache). Ctrl-C stops it all.
     """
     try:
         import uvicorn
@@ -120,7 +122,7 @@ def dev(
             ("try", curl),
         ):
             out.print(escape(f"{label + ':':<10}{value}"), soft_wrap=True)
-        proc = _workers(rurl, workers, settings.queue) if workers else None
+        proc = _workers(rurl, durl, workers, settings.queue) if workers else None
         try:
             # uvicorn handles Ctrl-C (a graceful stop), then raises it again: that is our exit.
             with contextlib.suppress(KeyboardInterrupt):

@@ -22,6 +22,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from sluice.engine.queue import Queue
+from sluice.llm import tokens
+from sluice.llm.cache import SemanticCache
+from sluice.llm.embedder import LocalEmbedder
 from sluice.service import errors
 from sluice.service.config import ServiceSettings
 from sluice.service.context import Services, ServicesDep
@@ -32,12 +35,15 @@ from sluice.service.ratelimit import RateLimiter
 from sluice.service.routes_admin import router as admin_router
 from sluice.service.routes_arqueue import router as arqueue_router
 from sluice.service.routes_compat import router as compat_router
+from sluice.service.routes_failures import arqueue_router as arqueue_failures_router
+from sluice.service.routes_failures import router as failures_router
 from sluice.service.routes_v1 import router as v1_router
 from sluice.service.submit import Intake, enqueue
 from sluice.store.database import Database
 from sluice.store.jobs import JobStore
 from sluice.store.keys import KeyStore
 from sluice.store.ledger import BudgetLedger
+from sluice.store.patterns import PatternCollector
 from sluice.store.reconcile import Reconciler
 from sluice.store.sink import TransitionSink
 
@@ -97,11 +103,23 @@ def create_app(
                     ledger=ledger,
                     lead=sink.lead,
                 )
+                # Failure patterns: one collector at a time too, in the process whose sink leads.
+                collector = PatternCollector(db, interval=settings.failure_collect_interval, lead=sink.lead)
                 tasks = [
                     asyncio.create_task(sink.run(stop), name="sluice-sink"),
                     asyncio.create_task(reconciler.run(stop), name="sluice-reconciler"),
                     asyncio.create_task(ledger.run(stop), name="sluice-ledger"),
+                    asyncio.create_task(collector.run(stop), name="sluice-failure-patterns"),
+                    asyncio.create_task(
+                        SemanticCache(db, LocalEmbedder()).run_purge(
+                            stop, interval=settings.cache_purge_interval, lead=sink.lead
+                        ),
+                        name="sluice-cache-purge",
+                    ),
                 ]
+            # The tokenizer that counts llm-inference reservations loads in a thread, not on the
+            # first submission's event loop (up to half a second).
+            tasks.append(asyncio.create_task(_preload_tokenizer(settings), name="sluice-tokenizer"))
             # What start-up made (modules, routes, models: most of the objects there are) lives
             # as long as the process: out of the collector's way, so that its full collections,
             # which walk every object it tracks, stay short while requests wait.
@@ -126,10 +144,15 @@ def create_app(
         responses=errors.responses(413),
     )
     errors.install(app)
-    app.include_router(v1_router)
-    app.include_router(compat_router)
-    app.include_router(arqueue_router)
-    app.include_router(admin_router)
+    for router in (
+        v1_router,
+        compat_router,
+        arqueue_router,
+        admin_router,
+        failures_router,
+        arqueue_failures_router,
+    ):
+        app.include_router(router)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -179,3 +202,10 @@ async def _stop(tasks: list[asyncio.Task[None]], services: Services | None) -> N
             await task
     if services is not None:
         await services.intake.close()
+
+
+async def _preload_tokenizer(settings: ServiceSettings) -> None:
+    name = tokens.encoding_name(settings.llm_provider or "offline", settings.llm_model or "")
+    if name is not None:
+        with contextlib.suppress(Exception):  # counted at the first submission instead
+            await asyncio.to_thread(tokens.preload, name)

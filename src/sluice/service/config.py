@@ -7,7 +7,7 @@ programs pass their own.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sluice.settings import DEFAULT_PREFIX
@@ -49,3 +49,20 @@ class ServiceSettings(BaseSettings):
     #: and how many may come at once above that rate.
     rate_limit: float = Field(200.0, ge=0)
     rate_burst: int = Field(400, ge=1)
+    #: Failure analysis: seconds between passes of the collector that groups the jobs that ended
+    #: badly into patterns (in the process whose sink leads, beside the reconciler).
+    failure_collect_interval: float = Field(30.0, gt=0)
+    #: The budget every LLM failure analysis spends from (made with a daily window of
+    #: ``analysis_budget_tokens`` when missing): analyses are never unbudgeted.
+    analysis_budget: str = Field(
+        "failure-analysis", pattern=r"^[A-Za-z0-9_.:-]{1,100}$", description="Budget of the LLM analyses"
+    )
+    analysis_budget_tokens: int = Field(200_000, ge=1, le=10**12)
+    #: Seconds between purges of the semantic cache's expired entries (bounded batches).
+    cache_purge_interval: float = Field(60.0, gt=0)
+    #: The LLM provider and model (ours, or ArQueue's names): without a provider, asking for an
+    #: LLM analysis is refused (409); the rule-based analysis needs none.
+    llm_provider: str | None = Field(
+        None, validation_alias=AliasChoices("SLUICE_LLM_PROVIDER", "AI_PROVIDER")
+    )
+    llm_model: str | None = Field(None, validation_alias=AliasChoices("SLUICE_LLM_MODEL", "AI_MODEL"))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from sluice.engine.backoff import Backoff
 from sluice.engine.codec import encode_limited
 from sluice.engine.job import JobSpec
-from sluice.errors import BudgetNotFound, RedisUnavailable, SluiceError, StoreUnavailable
+from sluice.errors import BudgetNotFound, InvalidJobError, RedisUnavailable, SluiceError, StoreUnavailable
 from sluice.store.jobs import NewJob, StoredJob
 from sluice.store.sink import engine_key
 
@@ -49,6 +49,23 @@ def spec_of(job: StoredJob | NewJob, idempotency_key: str | None = None) -> JobS
         correlation_id=job.correlation_id,
         idempotency_key=idempotency_key,
     )
+
+
+#: The job type the LLM layer runs: its payload is checked and its reservation counted here.
+LLM_JOB = "llm-inference"
+
+
+def llm_job(new: NewJob) -> NewJob:
+    """An ``llm-inference`` job as accepted: payload checked (422 naming the field), ``tenant``
+    set to the caller's, and ``tokens`` raised to what the prompt plus ``max_tokens`` can use,
+    so that the provider's reported usage never exceeds the reservation."""
+    from sluice.llm.inference import InvalidInference, prepare_payload
+
+    try:
+        payload, tokens = prepare_payload(new.payload, new.tenant, new.tokens)
+    except InvalidInference as exc:
+        raise InvalidJobError(str(exc)) from None
+    return dataclasses.replace(new, payload=payload, tokens=tokens)
 
 
 def backoff_json(backoff: Backoff) -> list[Any]:
@@ -103,6 +120,8 @@ class Intake:
         one that Redis lost but the store has a copy of is rebuilt first.
         """
         job_id = uuid.uuid4()
+        if new.type == LLM_JOB:
+            new = llm_job(new)
         spec = await self.check(new, engine_key(job_id))
         done: asyncio.Future[tuple[StoredJob, bool]] = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(new, job_id, spec, done))

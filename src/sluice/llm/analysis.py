@@ -1,0 +1,361 @@
+"""The optional LLM explanation of a failure pattern: a job on the queue, under a budget.
+
+The rules of ``store/patterns.py`` say what kind of failure a pattern is and
+what to do about that kind; an LLM can say more about the one at hand (the
+likely root cause, the fix). It runs as a job of type ``failure-analysis``
+on the same queue as everything else, so it takes its turn, is retried,
+throttled and dead-lettered like any job, and it always spends from a budget
+of its own (``failure-analysis`` by default, made with a daily window when
+missing): an explanation nobody bounded is a bill nobody bounded. Nothing
+here enqueues one without a budget, and the handler refuses a job that has
+none.
+
+The job's payload carries the pattern itself (its normalized message, types,
+category, count and a sample error with whatever looks like a secret
+masked), so the worker needs no database, and the sample that leaves for the
+provider was masked before it entered the queue. The answer is the job's
+result; the store copies it onto the pattern when the job completes
+(``PatternStore.settle``), so a job can only ever write onto the pattern
+that asked for it. One job per pattern and day of its last failure (its
+idempotency key): asking twice, or from two places, makes one job.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from sluice.engine.backoff import DEFAULT_BACKOFF
+from sluice.errors import ConfigurationError, PermanentError, RedisUnavailable, SluiceError
+from sluice.llm.provider import Message, Provider
+from sluice.store.jobs import NewJob, StoredJob
+from sluice.store.patterns import ANALYSIS_JOB_TYPE, Pattern, PatternStore, advice
+
+if TYPE_CHECKING:
+    from sluice.engine.context import JobContext
+    from sluice.engine.queue import Queue
+    from sluice.engine.worker import Worker
+
+#: The budget analyses spend from, and its daily limit, unless configured otherwise.
+DEFAULT_BUDGET = "failure-analysis"
+DEFAULT_BUDGET_TOKENS = 200_000
+#: The longest answer asked for (root cause and fix: a few sentences each).
+MAX_TOKENS = 400
+#: Characters of the sample error sent to the provider.
+MAX_SAMPLE_CHARS = 2000
+#: Attempts of an analysis job (a provider outage is retried with the default backoff).
+MAX_ATTEMPTS = 3
+
+SYSTEM_PROMPT = (
+    "You analyse failures of background jobs in a job queue. You are given one failure pattern: "
+    "jobs of one type that failed with the same error (variable parts such as ids and numbers are "
+    "masked as <uuid>, <num>, ...). Explain the most likely root cause and the fix, concretely, in "
+    "at most three sentences each. Answer with JSON only, no prose around it: "
+    '{"root_cause": "...", "fix": "..."}'
+)
+
+
+class AnalysisRefused(SluiceError):
+    """An analysis cannot be enqueued as asked (no budget could be made for it, or no AI
+    provider is configured): nothing was enqueued."""
+
+
+# ---- what leaves for the provider -----------------------------------------------------------------------
+_SECRETS: tuple[tuple[re.Pattern[str], str], ...] = (
+    # credentials in a URL: scheme://user:password@host
+    (re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s:@]+:[^/\s@]+@"), r"\1<credentials>@"),
+    (re.compile(r"(?i)\b(bearer|basic|token)(\s+)[A-Za-z0-9._~+/=-]{8,}"), r"\1\2<secret>"),
+    (
+        re.compile(
+            r"(?i)\b((?:x-)?api[_-]?key|apikey|access[_-]?key(?:[_-]?id)?|secret(?:[_-]?key)?|client[_-]?secret|"
+            r"password|passwd|pwd|auth(?:orization)?|token|session[_-]?id|cookie)(\s*[=:]\s*)(['\"]?)[^\s'\",;&]{3,}"
+        ),
+        r"\1\2\3<secret>",
+    ),
+    (re.compile(r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{8,}"), "<secret>"),
+    (re.compile(r"\b(?:sk|pk|rk)_(?:live|test)_[A-Za-z0-9]{8,}"), "<secret>"),
+    (re.compile(r"\bAKIA[0-9A-Z]{16}\b"), "<secret>"),
+    (re.compile(r"\bAIza[0-9A-Za-z_-]{30,}"), "<secret>"),
+    (re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"), "<secret>"),
+    (re.compile(r"\bxox[abpr]-[A-Za-z0-9-]{10,}"), "<secret>"),
+    (re.compile(r"\beyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}"), "<secret>"),
+    (
+        re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)", re.S),
+        "<secret>",
+    ),
+    # a long run of letters and digits (both): an opaque token
+    (re.compile(r"\b(?=[A-Za-z0-9_-]*\d)(?=[A-Za-z0-9_-]*[A-Za-z])[A-Za-z0-9_-]{32,}\b"), "<secret>"),
+    (re.compile(r"\b[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+\b"), "<email>"),
+)
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with what looks like a credential (keys, tokens, passwords, URL credentials,
+    private keys) or an email address replaced: a sample error is sent to a third party."""
+    for pattern, mask in _SECRETS:
+        text = pattern.sub(mask, text)
+    return text
+
+
+def analysis_payload(
+    pattern: Pattern, *, model: str | None = None, max_tokens: int = MAX_TOKENS
+) -> dict[str, Any]:
+    """The job's payload: the pattern as the prompt needs it (the sample already masked)."""
+    sample = mask_secrets(pattern.sample_error or "")[:MAX_SAMPLE_CHARS]
+    payload: dict[str, Any] = {
+        "tenant": pattern.tenant,
+        "queue": pattern.queue,
+        "pattern": pattern.id,
+        "job_type": pattern.job_type,
+        "error_type": pattern.error_type,
+        "message": pattern.message,
+        "category": pattern.category,
+        "count": pattern.count,
+        "first_seen": pattern.first_seen.isoformat(),
+        "last_seen": pattern.last_seen.isoformat(),
+        "sample": sample,
+        "max_tokens": max_tokens,
+    }
+    if model:
+        payload["model"] = model
+    return payload
+
+
+def build_messages(payload: dict[str, Any]) -> list[Message]:
+    """The chat the provider is sent, from an analysis job's payload."""
+    category = str(payload.get("category", "unknown"))
+    user = (
+        f"Job type: {payload.get('job_type')}\n"
+        f"Error type: {payload.get('error_type')}\n"
+        f"Normalized error message: {payload.get('message')}\n"
+        f"Category by rules: {category} (the rules advise: {advice(category)})\n"
+        f"Occurrences: {payload.get('count')} "
+        f"(first {payload.get('first_seen')}, last {payload.get('last_seen')})\n"
+        f"Sample error of the latest occurrence (secrets masked, may be truncated):\n"
+        f"{payload.get('sample') or '(none)'}"
+    )
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+def prompt_estimate(messages: Sequence[Message]) -> int:
+    """The prompt's tokens, estimated: a quarter of its characters, rounded up, and a few per
+    message for the chat format (an estimate is what the budget reserves; usage is charged)."""
+    return sum(math.ceil(len(m["content"]) / 4) + 4 for m in messages)
+
+
+def estimate_tokens(payload: dict[str, Any]) -> int:
+    """The job's token estimate: its prompt's estimate and the longest answer it asks for."""
+    return prompt_estimate(build_messages(payload)) + int(payload.get("max_tokens", MAX_TOKENS))
+
+
+_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$", re.IGNORECASE)
+_OBJECT = re.compile(r"\{.*\}", re.S)
+
+
+def parse_answer(answer: str) -> dict[str, str]:
+    """``{"root_cause", "fix"}`` from the model's answer: its JSON (inside a code fence or
+    prose, too), or, when it is not JSON, the whole text as the root cause."""
+    text = answer.strip()
+    found = _OBJECT.search(_FENCE.sub("", text))
+    if found is not None:
+        try:
+            data = orjson.loads(found.group(0))
+        except orjson.JSONDecodeError:
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("root_cause"), str):
+            fix = data.get("fix")
+            return {
+                "root_cause": data["root_cause"].strip(),
+                "fix": fix.strip() if isinstance(fix, str) else "",
+            }
+    return {"root_cause": text[:4000] or "(the model gave no answer)", "fix": ""}
+
+
+# ---- the handler ----------------------------------------------------------------------------------------
+ProviderSource = Provider | Callable[[], Provider] | None
+
+
+async def _provider(source: ProviderSource) -> tuple[Provider, bool]:
+    """The provider to call, and whether it was made here (and is closed after the call). By
+    default the worker's environment chooses (``SLUICE_LLM_PROVIDER``/``AI_PROVIDER``, its key,
+    ``SLUICE_LLM_MODEL``/``AI_MODEL``): ``sluice.llm.providers.provider_from_env``."""
+    if isinstance(source, Provider):
+        return source, False
+    if source is not None:
+        return source(), True
+    try:
+        # Imported here: the providers are a module of their own (and need the llm extra).
+        from sluice.llm.providers import provider_from_env
+    except ImportError as exc:
+        raise PermanentError(
+            f"ConfigurationError: the LLM providers cannot be loaded ({exc}); install sluice-queue[llm]"
+        ) from exc
+    try:
+        made: Provider = provider_from_env()
+    except (ConfigurationError, ImportError) as exc:
+        # No retry can fix the environment: dead at once, with what to change.
+        raise PermanentError(f"{type(exc).__name__}: {exc}") from exc
+    return made, True
+
+
+def _checked(payload: Any) -> dict[str, Any]:
+    if not isinstance(payload, dict) or not isinstance(payload.get("pattern"), str):
+        raise PermanentError(
+            f"{ANALYSIS_JOB_TYPE} jobs need the pattern in their payload; ask for one with "
+            "POST /v1/failures/patterns/{id}/analysis or sluice failures analyze"
+        )
+    return payload
+
+
+def make_handler(
+    provider: ProviderSource = None, *, model: str | None = None, max_tokens: int = MAX_TOKENS
+) -> Callable[[JobContext], Awaitable[dict[str, Any]]]:
+    """The ``failure-analysis`` handler. ``provider``: a Provider, a function that makes one
+    (per job, closed after it), or None for ``sluice.llm.providers.provider_from_env()``;
+    ``model``: overrides the one the job names (the service's ``SLUICE_LLM_MODEL``/``AI_MODEL``)."""
+
+    async def failure_analysis(job: JobContext) -> dict[str, Any]:
+        if job.budget is None:
+            raise PermanentError(
+                f"{ANALYSIS_JOB_TYPE} jobs run under a budget and this one has none; ask for an analysis "
+                "with POST /v1/failures/patterns/{id}/analysis or sluice failures analyze"
+            )
+        payload = _checked(job.payload)
+        messages = build_messages(payload)
+        # The answer may take what the reservation left after the prompt, and no more.
+        room = job.tokens - prompt_estimate(messages)
+        if room < 1:
+            raise PermanentError(
+                f"{ANALYSIS_JOB_TYPE}: the job's token estimate ({job.tokens}) leaves no room for an answer"
+            )
+        asked = payload.get("max_tokens", max_tokens)
+        cap = max(1, min(max_tokens, asked if isinstance(asked, int) and asked > 0 else max_tokens, room))
+        chosen, owned = await _provider(provider)
+        try:
+            use = model or payload.get("model") or getattr(chosen, "default_model", None)
+            if not isinstance(use, str) or not use:
+                raise PermanentError(
+                    "ConfigurationError: no LLM model is configured; set SLUICE_LLM_MODEL (or AI_MODEL)"
+                )
+            completion = await chosen.complete(
+                messages, model=use, max_tokens=cap, temperature=0.0, idempotency_key=job.idempotency_key
+            )
+        finally:
+            if owned:
+                await chosen.aclose()
+        total = completion.usage.total_tokens
+        if total > 0:  # else the estimate stays charged: never less than was reserved
+            job.record_usage(total)
+        return {
+            **parse_answer(completion.text),
+            "model": completion.model,
+            "provider": completion.provider,
+            "tokens": total,
+            "cost": completion.cost,
+        }
+
+    return failure_analysis
+
+
+def register_analysis(
+    worker: Worker, *, provider: ProviderSource = None, model: str | None = None, max_tokens: int = MAX_TOKENS
+) -> None:
+    """Run ``failure-analysis`` jobs on this worker (see :func:`make_handler`)."""
+    worker.register(ANALYSIS_JOB_TYPE, make_handler(provider, model=model, max_tokens=max_tokens))
+
+
+# ---- asking for one -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AnalysisRequest:
+    """What asking for an analysis did: ``done`` (the cached analysis) or ``pending`` (the
+    job working on it: made by this call when ``created``)."""
+
+    state: str
+    job_id: uuid.UUID | None
+    analysis: dict[str, Any] | None
+    created: bool = False
+
+
+async def ensure_budget(queue: Queue, name: str, tokens: int) -> None:
+    """The analyses' budget, made with a daily window of ``tokens`` if it does not exist (an
+    existing one is left as its owner set it). Refused with :class:`AnalysisRefused` when it
+    cannot be made; Redis being down is :class:`RedisUnavailable` (try again)."""
+    try:
+        await queue.budgets.create(name, tokens, window="day", exist_ok=True)
+    except RedisUnavailable:
+        raise
+    except SluiceError as exc:
+        raise AnalysisRefused(
+            f"the analysis budget {name!r} cannot be made ({exc}); "
+            "an analysis runs under a budget or not at all"
+        ) from exc
+
+
+def idempotency_key(pattern: Pattern) -> str:
+    """One analysis job per pattern, day of its last failure, and failed try: asking twice
+    makes one job; a pattern that failed again another day, or whose analysis failed, may
+    have a new one."""
+    day = pattern.last_seen.astimezone(UTC).date().isoformat()
+    return f"{ANALYSIS_JOB_TYPE}:{pattern.queue}:{pattern.id}:{day}:{pattern.analysis_tries}"
+
+
+async def request_analysis(
+    patterns: PatternStore,
+    queue: Queue,
+    pattern: Pattern,
+    submit: Callable[[NewJob], Awaitable[tuple[StoredJob, bool]]],
+    *,
+    budget: str = DEFAULT_BUDGET,
+    budget_tokens: int = DEFAULT_BUDGET_TOKENS,
+    model: str | None = None,
+    max_tokens: int = MAX_TOKENS,
+    refresh: bool = False,
+) -> AnalysisRequest:
+    """The pattern's analysis: the cached one (unless ``refresh``), the pending job's, or a
+    new job on ``queue`` (stored and enqueued by ``submit``, the service's intake) under
+    ``budget``, with a token estimate. Raises :class:`AnalysisRefused` when the budget
+    cannot be made: never an unbudgeted call."""
+    if pattern.analysis_job is not None:
+        return AnalysisRequest("pending", pattern.analysis_job, None)
+    if pattern.analysis is not None and not refresh:
+        return AnalysisRequest("done", _job_of(pattern.analysis), pattern.analysis)
+    await ensure_budget(queue, budget, budget_tokens)
+    payload = analysis_payload(pattern, model=model, max_tokens=max_tokens)
+    new = NewJob(
+        tenant=pattern.tenant,
+        queue=queue.name,
+        type=ANALYSIS_JOB_TYPE,
+        payload=payload,
+        priority=0,
+        max_attempts=MAX_ATTEMPTS,
+        backoff=[
+            DEFAULT_BACKOFF.kind,
+            DEFAULT_BACKOFF.delay,
+            DEFAULT_BACKOFF.max_delay,
+            DEFAULT_BACKOFF.jitter,
+        ],
+        idempotency_key=idempotency_key(pattern),
+        tokens=estimate_tokens(payload),
+        budget=budget,
+    )
+    stored, created = await submit(new)
+    await patterns.mark_pending(pattern.tenant, pattern.queue, pattern.id, stored.id)
+    # An earlier job of the same key may have finished already (asked again the same day).
+    now = await patterns.get(pattern.tenant, pattern.id)
+    if now is not None and now.analysis is not None and now.analysis_job is None and not created:
+        return AnalysisRequest("done", _job_of(now.analysis), now.analysis)
+    return AnalysisRequest("pending", stored.id, None, created)
+
+
+def _job_of(analysis: dict[str, Any]) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(analysis.get("job_id")))
+    except ValueError:
+        return None

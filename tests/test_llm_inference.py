@@ -1,0 +1,237 @@
+"""``llm-inference`` end to end: through the API, a real worker, the OpenAI-compatible provider
+against the simulated server on loopback (it counts what it bills), the semantic cache on real
+PostgreSQL with pgvector, and the token ledger. What the provider saw is the truth checked."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from sluice import Queue
+from sluice.llm.cache import SemanticCache
+from sluice.llm.embedder import LocalEmbedder
+from sluice.llm.inference import InvalidInference, LLMRuntime, inference_job, parse_request, reservation
+from sluice.llm.openai import OpenAIProvider
+from sluice.service.handlers import service_worker
+from sluice.store.database import Database
+from sluice.testing.provider import STATS_PATH, ProviderLimits, serve_provider
+from tests.conftest import eventually, running
+from tests.service_harness import Running, running_service
+
+KEY = "sk-sim-test"
+EMBEDDER = LocalEmbedder()
+
+
+@pytest.fixture(scope="module")
+def provider_url() -> Iterator[str]:
+    with serve_provider(ProviderLimits(), api_key=KEY) as url:
+        yield url
+
+
+@pytest.fixture
+async def api(redis_url: str, sluice_database_url: str, prefix: str) -> AsyncIterator[Running]:
+    async with running_service(redis_url, sluice_database_url, prefix, auth=True) as svc:
+        yield svc
+
+
+@pytest.fixture
+async def runtime(
+    provider_url: str, sluice_database_url: str, redis_url: str, prefix: str
+) -> AsyncIterator[LLMRuntime]:
+    provider = OpenAIProvider(base_url=f"{provider_url}/v1", api_key_env="SIM_KEY", env={"SIM_KEY": KEY})
+    redis = Redis.from_url(redis_url)
+    db = Database(sluice_database_url, pool_size=2)
+    cache = SemanticCache(db, EMBEDDER, redis=redis, prefix=prefix)
+    rt = LLMRuntime(provider, model="gpt-4o-mini", cache=cache)
+    yield rt
+    await rt.aclose()
+    await db.close()
+    await redis.aclose()
+
+
+async def provider_stats(url: str) -> dict[str, Any]:
+    async with httpx.AsyncClient() as client:
+        body: dict[str, Any] = (await client.get(url + STATS_PATH)).json()
+        return body
+
+
+async def finished(api: Running, job_id: str) -> Any:
+    async def done() -> Any:
+        await api.drain_events()
+        row = await api.svc.store.get(uuid.UUID(job_id))
+        return row if row is not None and row.status in ("COMPLETED", "DEAD_LETTER", "REJECTED") else None
+
+    return await eventually(done, timeout=30)
+
+
+async def submit(api: Running, key: str, payload: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    resp = await api.client.post(
+        "/v1/jobs",
+        json={"type": "llm-inference", "payload": payload, **extra},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert resp.status_code == 201, resp.text
+    body: dict[str, Any] = resp.json()
+    return body
+
+
+async def test_an_answer_then_a_paraphrase_served_from_the_cache(
+    api: Running, runtime: LLMRuntime, provider_url: str, redis_url: str, prefix: str
+) -> None:
+    _, key = await api.svc.keys.create("acme")
+    before = (await provider_stats(provider_url))["accepted"]
+    async with running(service_worker(prefix=prefix, llm=runtime), redis_url):
+        first = await submit(api, key, {"prompt": "How do I reverse a list in Python?", "max_tokens": 40})
+        # The reservation covers the prompt's upper bound and max_tokens; the tenant is the key's.
+        assert first["tokens"] > 40
+        assert first["payload"]["tenant"] == "acme"
+        row = await finished(api, first["id"])
+        assert row.status == "COMPLETED", row.error
+        result = row.result
+        assert result["cacheHit"] is False
+        assert result["provider"] == "openai" and result["model"] == "gpt-4o-mini"
+        assert result["usage"]["completion_tokens"] == 40  # the simulated model writes max_tokens
+        assert result["usage"]["total_tokens"] <= first["tokens"]  # usage never exceeds the reservation
+        assert result["cost"] is not None and result["cost"] > 0  # gpt-4o-mini has a list price
+
+        second = await submit(
+            api, key, {"prompt": "What's the way to reverse a Python list?", "max_tokens": 40}
+        )
+        row2 = await finished(api, second["id"])
+        assert row2.status == "COMPLETED"
+        hit = row2.result
+        assert hit["cacheHit"] is True and 0.92 <= hit["similarity"] < 1
+        assert hit["response"] == result["response"]
+        assert hit["usage"]["total_tokens"] == 0 and hit["cost"] == 0.0
+        assert hit["cached"]["usage"] == result["usage"]
+    # The provider answered once.
+    assert (await provider_stats(provider_url))["accepted"] - before == 1
+
+
+async def test_the_budget_is_charged_what_the_provider_billed_and_nothing_for_a_hit(
+    api: Running, runtime: LLMRuntime, provider_url: str, redis_url: str, prefix: str
+) -> None:
+    _, key = await api.svc.keys.create("acme")
+    await api.svc.queue.budgets.create("llm", 100_000)
+    prompt = "Summarize the plot of Hamlet in three sentences."
+    async with running(service_worker(prefix=prefix, llm=runtime), redis_url):
+        first = await submit(api, key, {"prompt": prompt, "max_tokens": 30}, budget="llm")
+        row = await finished(api, first["id"])
+        billed = row.result["usage"]["total_tokens"]
+        again = await submit(api, key, {"prompt": prompt, "max_tokens": 30}, budget="llm")
+        row2 = await finished(api, again["id"])
+        assert row2.result["cacheHit"] is True and row2.result["similarity"] == 1.0
+    budget = await api.svc.queue.budgets.get("llm")
+    assert budget is not None
+    assert budget.used == billed
+
+
+async def test_no_answer_crosses_tenants(
+    api: Running, runtime: LLMRuntime, provider_url: str, redis_url: str, prefix: str
+) -> None:
+    _, acme = await api.svc.keys.create("acme")
+    _, globex = await api.svc.keys.create("globex")
+    prompt = "Explain the CAP theorem in two sentences."
+    async with running(service_worker(prefix=prefix, llm=runtime), redis_url):
+        a = await finished(api, (await submit(api, acme, {"prompt": prompt}))["id"])
+        g = await finished(api, (await submit(api, globex, {"prompt": prompt}))["id"])
+    assert a.result["cacheHit"] is False
+    assert g.result["cacheHit"] is False
+
+
+async def test_a_caller_cannot_read_another_tenants_cache_through_the_payload(api: Running) -> None:
+    _, key = await api.svc.keys.create("acme")
+    resp = await api.client.post(
+        "/v1/jobs",
+        json={"type": "llm-inference", "payload": {"prompt": "hi", "tenant": "globex"}},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert resp.status_code == 422
+    assert "payload.tenant" in resp.json()["message"]
+
+
+@pytest.mark.parametrize(
+    ("payload", "complaint"),
+    [
+        ({}, "payload.prompt"),
+        ({"prompt": "  "}, "payload.prompt"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "not both"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "payload.messages[0]"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, "last"),
+        ({"prompt": "x", "max_tokens": 0}, "payload.max_tokens"),
+        ({"prompt": "x", "temperature": 3}, "payload.temperature"),
+        ({"prompt": "x", "cache": {"threshold": 2}}, "payload.cache.threshold"),
+        ({"prompt": "x", "cache": "yes"}, "payload.cache"),
+    ],
+)
+async def test_bad_payloads_are_refused_at_the_api_naming_the_field(
+    api: Running, payload: dict[str, Any], complaint: str
+) -> None:
+    with pytest.raises(InvalidInference, match=complaint.replace("[", r"\[").replace("]", r"\]")):
+        parse_request(payload)
+    _, key = await api.svc.keys.create("acme")
+    resp = await api.client.post(
+        "/jobs",
+        json={"type": "llm-inference", "payload": payload},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert resp.status_code in (400, 422), resp.text
+    assert complaint in resp.text
+
+
+def test_the_reservation_is_the_prompt_bound_plus_max_tokens() -> None:
+    request = parse_request({"prompt": "hello world", "max_tokens": 100, "system": "Be brief."})
+    exact = reservation(request, provider="openai", model="gpt-4o-mini")
+    estimate = reservation(request, provider="anthropic", model="claude-haiku-4-5")
+    assert 100 < exact < estimate  # tiktoken counts exactly; the estimate is an upper bound
+    assert estimate == 100 + len(b"hello world") + len(b"Be brief.") + 2 * 16
+
+
+async def test_a_throttled_call_waits_and_is_not_a_failure(
+    api: Running, runtime: LLMRuntime, provider_url: str, redis_url: str, prefix: str
+) -> None:
+    _, key = await api.svc.keys.create("acme")
+    async with httpx.AsyncClient() as client:
+        await client.post(provider_url + "/_control/faults", json=[{"status": 429, "retry_after_ms": 200}])
+    async with running(service_worker(prefix=prefix, llm=runtime), redis_url):
+        job = await submit(api, key, {"prompt": "Name three prime numbers.", "cache": False})
+        row = await finished(api, job["id"])
+    assert row.status == "COMPLETED"
+    assert row.attempts == 1  # the 429 was not counted as an attempt
+    assert row.result["cacheHit"] is False
+
+
+async def test_a_wrong_key_dead_letters_at_once_without_retrying(
+    api: Running, provider_url: str, redis_url: str, prefix: str
+) -> None:
+    _, key = await api.svc.keys.create("acme")
+    wrong = OpenAIProvider(base_url=f"{provider_url}/v1", api_key_env="SIM_KEY", env={"SIM_KEY": "sk-wrong"})
+    rt = LLMRuntime(wrong, model="gpt-4o-mini")
+    try:
+        async with running(service_worker(prefix=prefix, llm=rt), redis_url):
+            job = await submit(api, key, {"prompt": "Hello?"}, max_attempts=5)
+            row = await finished(api, job["id"])
+    finally:
+        await rt.aclose()
+    assert row.status == "DEAD_LETTER"
+    assert row.attempts == 1
+    assert "sk-wrong" not in (row.error or "")
+
+
+async def test_a_library_producer_adds_an_inference_job_with_its_reservation(
+    runtime: LLMRuntime, redis_url: str, prefix: str
+) -> None:
+    spec = inference_job("Name the largest planet.", max_tokens=20, tenant="lib")
+    assert spec.name == "llm-inference" and spec.tokens > 20
+    async with Queue.from_url(redis_url, "jobs", prefix=prefix) as queue:
+        (job,) = await queue.add_bulk([spec])
+        async with running(service_worker(prefix=prefix, llm=runtime), redis_url):
+            result = await job.result(timeout=30)
+    assert result["cacheHit"] is False and result["usage"]["completion_tokens"] == 20
+    with pytest.raises(InvalidInference, match=r"payload\.max_tokens"):
+        inference_job("x", max_tokens=0)
