@@ -235,3 +235,17 @@ async def test_a_library_producer_adds_an_inference_job_with_its_reservation(
     assert result["cacheHit"] is False and result["usage"]["completion_tokens"] == 20
     with pytest.raises(InvalidInference, match=r"payload\.max_tokens"):
         inference_job("x", max_tokens=0)
+
+
+async def test_the_providers_per_minute_limits_become_the_queues_shared_gates(
+    redis_url: str, sluice_database_url: str, prefix: str
+) -> None:
+    async with running_service(redis_url, sluice_database_url, prefix, llm_rpm=500, llm_tpm=200_000) as svc:
+        flow = await svc.svc.queue.flow()
+    assert (flow.rate_max, flow.rate_per_seconds) == (500, 60.0)
+    assert (flow.token_limit, flow.token_per_seconds) == (200_000, 60.0)
+    # Without them, the service leaves the gates as an operator set them.
+    async with running_service(redis_url, sluice_database_url, prefix) as svc:
+        await svc.svc.queue.set_rate_limit(7, per=1.0)
+    async with running_service(redis_url, sluice_database_url, prefix) as svc:
+        assert (await svc.svc.queue.flow()).rate_max == 7

@@ -138,6 +138,16 @@ ENVIRONMENT = (
         "(the provider's)",
         "The provider's address (required for openai-compatible: vLLM, LM Studio, a proxy).",
     ),
+    Variable(
+        "SLUICE_LLM_RPM",
+        "(none: gates as set)",
+        "The provider's requests per minute for the model: the service sets it as the queue's shared gate.",
+    ),
+    Variable(
+        "SLUICE_LLM_TPM",
+        "(none: gates as set)",
+        "The provider's tokens per minute: the queue's shared token gate (reservations, then usage).",
+    ),
     Variable("SLUICE_LLM_API_KEY", "(none)", "The key of an openai-compatible server, if it wants one."),
     Variable(
         "OPENAI_API_KEY", "(none)", "OpenAI's key: sent only to api.openai.com; never logged or stored."

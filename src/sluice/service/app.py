@@ -79,6 +79,7 @@ def create_app(
         tasks: list[asyncio.Task[None]] = []
         try:
             await db.migrate()
+            await _provider_limits(queue, settings)
             store = JobStore(db)
             gauge = PressureGauge(
                 queue, max_backlog_seconds=settings.max_backlog_seconds, max_depth=settings.max_depth
@@ -209,3 +210,14 @@ async def _preload_tokenizer(settings: ServiceSettings) -> None:
     if name is not None:
         with contextlib.suppress(Exception):  # counted at the first submission instead
             await asyncio.to_thread(tokens.preload, name)
+
+
+async def _provider_limits(queue: Queue, settings: ServiceSettings) -> None:
+    """The provider's per-minute limits as the queue's shared gates: every worker process, on
+    every machine, counts against the same windows (a per-process limiter multiplies the
+    limit by the number of processes). Set at each start, so a Redis that lost its data gets
+    them back with the service; the token gate counts each job's reservation, then its usage."""
+    if settings.llm_rpm is not None:
+        await queue.set_rate_limit(settings.llm_rpm, per=60.0)
+    if settings.llm_tpm is not None:
+        await queue.set_token_rate_limit(settings.llm_tpm, per=60.0)

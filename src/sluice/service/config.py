@@ -58,6 +58,11 @@ class ServiceSettings(BaseSettings):
         "failure-analysis", pattern=r"^[A-Za-z0-9_.:-]{1,100}$", description="Budget of the LLM analyses"
     )
     analysis_budget_tokens: int = Field(200_000, ge=1, le=10**12)
+    #: The provider's published limits for the model jobs use (requests and tokens per minute):
+    #: set at start as the queue's shared gates, which every worker process obeys together.
+    #: None leaves the gates as they are (``sluice flow`` sets them by hand).
+    llm_rpm: int | None = Field(None, ge=1, le=10**9)
+    llm_tpm: int | None = Field(None, ge=1, le=10**12)
     #: Seconds between purges of the semantic cache's expired entries (bounded batches).
     cache_purge_interval: float = Field(60.0, gt=0)
     #: The LLM provider and model (ours, or ArQueue's names): without a provider, asking for an
