@@ -17,6 +17,7 @@ from sluice.llm.cache import SemanticCache
 from sluice.llm.embedder import LocalEmbedder
 from sluice.llm.inference import InvalidInference, LLMRuntime, inference_job, parse_request, reservation
 from sluice.llm.openai import OpenAIProvider
+from sluice.llm.pricing import to_micro_usd
 from sluice.service.handlers import service_worker
 from sluice.store.database import Database
 from sluice.testing.provider import STATS_PATH, ProviderLimits, serve_provider
@@ -47,7 +48,7 @@ async def runtime(
     redis = Redis.from_url(redis_url)
     db = Database(sluice_database_url, pool_size=2)
     cache = SemanticCache(db, EMBEDDER, redis=redis, prefix=prefix)
-    rt = LLMRuntime(provider, model="gpt-4o-mini", cache=cache)
+    rt = LLMRuntime(provider, model="gpt-4o-mini", cache=cache, redis=redis)
     yield rt
     await rt.aclose()
     await db.close()
@@ -249,3 +250,36 @@ async def test_the_providers_per_minute_limits_become_the_queues_shared_gates(
         await svc.svc.queue.set_rate_limit(7, per=1.0)
     async with running_service(redis_url, sluice_database_url, prefix) as svc:
         assert (await svc.svc.queue.flow()).rate_max == 7
+
+
+async def test_a_budget_in_money_is_charged_the_calls_cost_and_refuses_before_its_limit(
+    api: Running, runtime: LLMRuntime, provider_url: str, redis_url: str, prefix: str
+) -> None:
+    _, key = await api.svc.keys.create("acme")
+    budgets = api.svc.queue.budgets
+    await budgets.create("usd", 1_000_000)  # one dollar, in micro-dollars
+    await budgets.create("usd-tiny", 1)  # one micro-dollar: no call fits
+    before = (await provider_stats(provider_url))["accepted"]
+    async with running(service_worker(prefix=prefix, llm=runtime), redis_url):
+        paid = await finished(
+            api,
+            (await submit(api, key, {"prompt": "Name a prime.", "max_tokens": 50, "budget_usd": "usd"}))[
+                "id"
+            ],
+        )
+        refused = await finished(
+            api,
+            (
+                await submit(
+                    api, key, {"prompt": "Name another prime.", "max_tokens": 50, "budget_usd": "usd-tiny"}
+                )
+            )["id"],
+        )
+    assert paid.status == "COMPLETED"
+    cost = paid.result["cost"]
+    assert cost > 0
+    usd = await budgets.get("usd")
+    assert usd is not None and usd.used == to_micro_usd(cost)  # the call's cost, no more
+    assert refused.status == "DEAD_LETTER" and "cannot admit" in (refused.error or "")
+    assert (await budgets.get("usd-tiny")).used == 0  # type: ignore[union-attr]
+    assert (await provider_stats(provider_url))["accepted"] - before == 1  # the refused one never called

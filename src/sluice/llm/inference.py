@@ -34,14 +34,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sluice.engine.budgets import Budgets
 from sluice.engine.job import JobSpec
-from sluice.errors import PermanentError
+from sluice.engine.queue import Queue
+from sluice.errors import BudgetNotFound, PermanentError, Throttled
 from sluice.llm.cache import CachePolicy, SemanticCache, cache_scope
-from sluice.llm.provider import Message, Provider
+from sluice.llm.pricing import to_micro_usd, worst_case_cost
+from sluice.llm.provider import Message, Provider, ProviderRejected
+from sluice.llm.tokens import count_prompt_tokens
 from sluice.llm.tokens import reservation as token_reservation
 from sluice.settings import environment
 
 if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
     from sluice.engine.context import JobContext
     from sluice.engine.worker import Worker
 
@@ -76,6 +82,8 @@ class InferenceRequest:
     temperature: float | None
     cache: CacheChoice
     tenant: str
+    #: a budget in micro-dollars the call's cost is reserved from and charged to (None: none)
+    budget_usd: str | None = None
 
 
 def _field(payload: Mapping[str, Any], *names: str) -> Any:
@@ -89,19 +97,6 @@ def parse_request(payload: Any) -> InferenceRequest:
     """The payload checked, or :class:`InvalidInference` naming the field and what it needs."""
     if not isinstance(payload, Mapping):
         raise InvalidInference(f"llm-inference jobs need an object payload, got {type(payload).__name__}")
-    prompt, messages = payload.get("prompt"), payload.get("messages")
-    if prompt is not None and messages is not None:
-        raise InvalidInference("give payload.prompt or payload.messages, not both")
-    if messages is None:
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise InvalidInference("llm-inference jobs need payload.prompt, a non-empty string (or messages)")
-        system = payload.get("system")
-        if system is not None and not isinstance(system, str):
-            raise InvalidInference("payload.system must be a string")
-        chat: list[Message] = [{"role": "system", "content": system}] if system else []
-        chat.append({"role": "user", "content": prompt})
-    else:
-        chat = _messages(messages)
     max_tokens = _field(payload, "max_tokens", "maxTokens")
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
@@ -118,22 +113,46 @@ def parse_request(payload: Any) -> InferenceRequest:
         or not (math.isfinite(temperature) and 0 <= temperature <= 2)
     ):
         raise InvalidInference("payload.temperature must be a number from 0 to 2")
-    model, provider = payload.get("model"), payload.get("provider")
-    for name, value in (("model", model), ("provider", provider)):
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise InvalidInference(f"payload.{name} must be a non-empty string")
-    tenant = payload.get("tenant", DEFAULT_TENANT)
-    if not isinstance(tenant, str) or not tenant:
-        raise InvalidInference("payload.tenant must be a non-empty string")
+    model, provider, tenant, budget_usd = (
+        _name(payload, "model"),
+        _name(payload, "provider"),
+        _name(payload, "tenant") or DEFAULT_TENANT,
+        _name(payload, "budget_usd", "budgetUsd"),
+    )
     return InferenceRequest(
-        chat,
+        _chat(payload),
         model,
-        provider.lower() if isinstance(provider, str) else None,
+        provider.lower() if provider is not None else None,
         max_tokens,
         float(temperature) if temperature is not None else None,
         _cache_choice(payload.get("cache", True)),
         tenant,
+        budget_usd,
     )
+
+
+def _name(payload: Mapping[str, Any], *names: str) -> str | None:
+    """A field that, when given, is a non-empty string."""
+    value = _field(payload, *names)
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise InvalidInference(f"payload.{names[0]} must be a non-empty string")
+    return value
+
+
+def _chat(payload: Mapping[str, Any]) -> list[Message]:
+    prompt, messages = payload.get("prompt"), payload.get("messages")
+    if prompt is not None and messages is not None:
+        raise InvalidInference("give payload.prompt or payload.messages, not both")
+    if messages is not None:
+        return _messages(messages)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InvalidInference("llm-inference jobs need payload.prompt, a non-empty string (or messages)")
+    system = payload.get("system")
+    if system is not None and not isinstance(system, str):
+        raise InvalidInference("payload.system must be a string")
+    chat: list[Message] = [{"role": "system", "content": system}] if system else []
+    chat.append({"role": "user", "content": prompt})
+    return chat
 
 
 def _messages(raw: Any) -> list[Message]:
@@ -247,10 +266,13 @@ class LLMRuntime:
         cache: SemanticCache | None = None,
         providers: Mapping[str, Provider] | None = None,
         env: Mapping[str, str] | None = None,
+        redis: Redis | None = None,
     ) -> None:
         self.provider = provider
         self.model = model
         self.cache = cache
+        #: where the jobs' queues live: money budgets are reserved there (``budget_usd``)
+        self.redis = redis
         self._providers: dict[str, Provider] = {provider.name: provider, **(providers or {})}
         self._env = env
 
@@ -343,10 +365,58 @@ def _default_model(provider: Provider) -> str:
 async def handle(runtime: LLMRuntime, job: JobContext) -> dict[str, Any]:
     """The ``llm-inference`` handler body, given the process's runtime."""
     request = parse_request(job.payload)
-    result = await runtime.run(request, idempotency_key=job.idempotency_key)
+    money = await _reserve_money(runtime, job, request) if request.budget_usd else None
+    try:
+        result = await runtime.run(request, idempotency_key=job.idempotency_key)
+    except (Throttled, ProviderRejected):
+        if money is not None:  # the provider refused the call: nothing was billed
+            await money[0].refund(money[1])
+        raise
+    # Any other failure leaves the money reservation held: its hold lapses as an unknown outcome,
+    # charged (the provider may have billed a call that timed out), as token reservations do.
     usage = result.get("usage") or {}
     job.record_usage(0 if result["cacheHit"] else int(usage.get("total_tokens", 0)))
+    if money is not None:
+        await money[0].commit(money[1], to_micro_usd(result.get("cost") or 0.0))
     return result
+
+
+#: How long a money reservation is held before an unsettled one counts as an unknown outcome.
+MONEY_HOLD_SECONDS = 900.0
+
+
+async def _reserve_money(
+    runtime: LLMRuntime, job: JobContext, request: InferenceRequest
+) -> tuple[Budgets, str]:
+    """Reserve the call's worst case, in micro-dollars, from ``budget_usd`` (and every budget above
+    it), before the provider is called: a money budget, like a token budget, stops admitting
+    before its limit is passed. The price is the model's list price (``SLUICE_PRICING_FILE``)."""
+    assert request.budget_usd is not None
+    if runtime.redis is None:
+        raise PermanentError("payload.budget_usd needs the worker's Redis (SLUICE_REDIS_URL) to reserve from")
+    provider = runtime.provider_named(request.provider)
+    model = request.model or (runtime.model if provider is runtime.provider else _default_model(provider))
+    prompt = count_prompt_tokens(request.messages, provider=provider.name, model=model)
+    worst = worst_case_cost(provider.name, model, prompt, request.max_tokens)
+    if worst is None:
+        raise PermanentError(
+            f"{provider.name}/{model} has no price, so a budget in money cannot be charged for it: "
+            "add its price with SLUICE_PRICING_FILE, or use a token budget"
+        )
+    budgets = Queue(job.queue, redis=runtime.redis, prefix=job.prefix).budgets
+    reservation_id = f"{job.reservation_id}:usd"
+    try:
+        answer = await budgets.reserve(
+            request.budget_usd, to_micro_usd(worst), reservation_id, job_id=job.id, hold=MONEY_HOLD_SECONDS
+        )
+    except BudgetNotFound as exc:
+        raise PermanentError(f"payload.budget_usd: {exc}") from None
+    if not answer.accepted:
+        raise PermanentError(
+            f"budget {answer.refused_by or request.budget_usd!r} cannot admit this call's worst case, "
+            f"${worst:.6f} ({to_micro_usd(worst):,} micro-dollars): credit it or raise its limit"
+        )
+    return budgets, reservation_id
 
 
 #: per event loop: a runtime's connections belong to the loop that made them
@@ -389,7 +459,13 @@ async def runtime_from_env(env: Mapping[str, str] | None = None) -> LLMRuntime:
             redis=Redis.from_url(redis_url) if redis_url else None,
             prefix=env.get("SLUICE_PREFIX", "sluice"),
         )
-    runtime = _runtimes[loop] = LLMRuntime(provider, model=model, cache=cache, env=env)
+    redis_url = env.get("SLUICE_REDIS_URL")
+    redis = None
+    if redis_url:
+        from redis.asyncio import Redis
+
+        redis = Redis.from_url(redis_url)
+    runtime = _runtimes[loop] = LLMRuntime(provider, model=model, cache=cache, env=env, redis=redis)
     return runtime
 
 
