@@ -13,9 +13,17 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice import Queue
+from sluice.errors import ConfigurationError
 from sluice.llm.cache import SemanticCache
-from sluice.llm.embedder import LocalEmbedder
-from sluice.llm.inference import InvalidInference, LLMRuntime, inference_job, parse_request, reservation
+from sluice.llm.embedder import LocalEmbedder, ProviderEmbedder
+from sluice.llm.inference import (
+    InvalidInference,
+    LLMRuntime,
+    embedder_from_env,
+    inference_job,
+    parse_request,
+    reservation,
+)
 from sluice.llm.openai import OpenAIProvider
 from sluice.llm.pricing import to_micro_usd
 from sluice.service.handlers import service_worker
@@ -281,5 +289,29 @@ async def test_a_budget_in_money_is_charged_the_calls_cost_and_refuses_before_it
     usd = await budgets.get("usd")
     assert usd is not None and usd.used == to_micro_usd(cost)  # the call's cost, no more
     assert refused.status == "DEAD_LETTER" and "cannot admit" in (refused.error or "")
-    assert (await budgets.get("usd-tiny")).used == 0  # type: ignore[union-attr]
+    assert (await budgets.get("usd-tiny")).used == 0
     assert (await provider_stats(provider_url))["accepted"] - before == 1  # the refused one never called
+
+
+async def test_the_providers_embeddings_can_back_the_cache(provider_url: str, db_url_cache: Database) -> None:
+    provider = OpenAIProvider(base_url=f"{provider_url}/v1", api_key_env="SIM_KEY", env={"SIM_KEY": KEY})
+    embedder = embedder_from_env(provider, {"SLUICE_CACHE_EMBEDDER": "provider"})
+    assert isinstance(embedder, ProviderEmbedder) and embedder.model == "openai/text-embedding-3-small"
+    [vector] = await embedder.embed(["How do I reverse a list in Python?"])
+    assert len(vector) == 384 and abs(sum(x * x for x in vector) - 1) < 1e-6  # asked for 384, unit length
+    cache = SemanticCache(db_url_cache, embedder)
+    await cache.store("t1", "s", "How do I reverse a list in Python?", {"response": "reversed()"})
+    found = await cache.lookup("t1", "s", "how do I reverse a list in python")
+    assert found.hit is not None and not found.hit.exact  # the server's vectors put the two together
+    await cache.aclose()
+    await provider.aclose()
+    with pytest.raises(ConfigurationError, match="SLUICE_CACHE_EMBEDDER='gpu'"):
+        embedder_from_env(provider, {"SLUICE_CACHE_EMBEDDER": "gpu"})
+
+
+@pytest.fixture
+async def db_url_cache(sluice_database_url: str) -> AsyncIterator[Database]:
+    db = Database(sluice_database_url, pool_size=2)
+    await db.migrate()
+    yield db
+    await db.close()

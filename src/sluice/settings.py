@@ -174,6 +174,16 @@ ENVIRONMENT = (
     Variable("SLUICE_CACHE_TTL_MS", "86400000", "The same, by our name."),
     Variable("SLUICE_CACHE", "on", "off: llm-inference jobs never use the semantic cache."),
     Variable(
+        "SLUICE_CACHE_EMBEDDER",
+        "local",
+        "local (all-MiniLM-L6-v2 on this machine) or provider (the provider's embeddings, 384 dimensions).",
+    ),
+    Variable(
+        "SLUICE_CACHE_EMBEDDING_MODEL",
+        "(text-embedding-3-small, text-embedding-004)",
+        "The provider's embedding model when SLUICE_CACHE_EMBEDDER=provider.",
+    ),
+    Variable(
         "SLUICE_FAILURE_COLLECT_INTERVAL",
         "30",
         "Seconds between passes that group the jobs that ended badly into failure patterns.",

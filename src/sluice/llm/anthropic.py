@@ -116,7 +116,7 @@ class AnthropicProvider(HTTPProvider):
             limits=limits,
         )
 
-    async def embed(self, texts: Sequence[str], *, model: str) -> Embeddings:
+    async def embed(self, texts: Sequence[str], *, model: str, dimensions: int | None = None) -> Embeddings:
         raise ProviderRejected(
             self.name,
             "Anthropic has no embeddings endpoint: embed with another provider (OpenAI's "

@@ -133,7 +133,7 @@ class ProviderEmbedder:
         self._model = model
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
-        answer = await self.provider.embed(texts, model=self._model)
+        answer = await self.provider.embed(texts, model=self._model, dimensions=self.dimensions)
         out = []
         for vector in answer.vectors:
             if len(vector) != self.dimensions:

@@ -143,7 +143,7 @@ class GeminiProvider(HTTPProvider):
             limits=limits,
         )
 
-    async def embed(self, texts: Sequence[str], *, model: str) -> Embeddings:
+    async def embed(self, texts: Sequence[str], *, model: str, dimensions: int | None = None) -> Embeddings:
         """Vectors from ``batchEmbedContents``. Gemini reports no usage for embeddings, so the
         usage is zeros and the cost None (unknown), not a price of zero tokens."""
         name = model.removeprefix("models/")
@@ -151,7 +151,12 @@ class GeminiProvider(HTTPProvider):
         vectors: list[list[float]] = []
         for start in range(0, len(texts), MAX_EMBEDDING_BATCH):
             batch = texts[start : start + MAX_EMBEDDING_BATCH]
-            requests = [{"model": f"models/{name}", "content": {"parts": [{"text": t}]}} for t in batch]
+            requests: list[dict[str, Any]] = [
+                {"model": f"models/{name}", "content": {"parts": [{"text": t}]}} for t in batch
+            ]
+            if dimensions is not None:
+                for request in requests:
+                    request["outputDimensionality"] = dimensions
             data, _ = await self.post(path, {"requests": requests}, model=model)
             embeddings = data.get("embeddings")
             if not isinstance(embeddings, list) or len(embeddings) != len(batch):

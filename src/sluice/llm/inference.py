@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from sluice.engine.budgets import Budgets
 from sluice.engine.job import JobSpec
 from sluice.engine.queue import Queue
-from sluice.errors import BudgetNotFound, PermanentError, Throttled
+from sluice.errors import BudgetNotFound, ConfigurationError, PermanentError, Throttled
 from sluice.llm.cache import CachePolicy, SemanticCache, cache_scope
 from sluice.llm.pricing import to_micro_usd, worst_case_cost
 from sluice.llm.provider import Message, Provider, ProviderRejected
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
     from sluice.engine.context import JobContext
     from sluice.engine.worker import Worker
+    from sluice.llm.embedder import Embedder
 
 log = logging.getLogger("sluice.llm")
 
@@ -448,13 +449,12 @@ async def runtime_from_env(env: Mapping[str, str] | None = None) -> LLMRuntime:
     if database_url and env.get("SLUICE_CACHE", "on").lower() not in ("off", "0", "false", "no"):
         from redis.asyncio import Redis
 
-        from sluice.llm.embedder import LocalEmbedder
         from sluice.store.database import Database
 
         redis_url = env.get("SLUICE_REDIS_URL")
         cache = SemanticCache(
             Database(database_url, pool_size=4),
-            LocalEmbedder(),
+            embedder_from_env(provider, env),
             policy=CachePolicy.from_env(env),
             redis=Redis.from_url(redis_url) if redis_url else None,
             prefix=env.get("SLUICE_PREFIX", "sluice"),
@@ -467,6 +467,31 @@ async def runtime_from_env(env: Mapping[str, str] | None = None) -> LLMRuntime:
         redis = Redis.from_url(redis_url)
     runtime = _runtimes[loop] = LLMRuntime(provider, model=model, cache=cache, env=env, redis=redis)
     return runtime
+
+
+#: The embedding model each provider's embedder uses unless SLUICE_CACHE_EMBEDDING_MODEL names one.
+EMBEDDING_MODELS = {"openai": "text-embedding-3-small", "gemini": "text-embedding-004"}
+
+
+def embedder_from_env(provider: Provider, env: Mapping[str, str]) -> Embedder:
+    """``SLUICE_CACHE_EMBEDDER``: ``local`` (the default: all-MiniLM-L6-v2 on this machine, no
+    call, no cost) or ``provider`` (the provider's embeddings endpoint, asked for the cache's
+    384 dimensions; ``SLUICE_CACHE_EMBEDDING_MODEL`` names the model)."""
+    from sluice.llm.embedder import LocalEmbedder, ProviderEmbedder
+    from sluice.store.schema import CACHE_DIMENSIONS
+
+    kind = env.get("SLUICE_CACHE_EMBEDDER", "local").strip().lower() or "local"
+    if kind == "local":
+        return LocalEmbedder()
+    if kind != "provider":
+        raise ConfigurationError(f"SLUICE_CACHE_EMBEDDER={kind!r}: use local or provider")
+    model = env.get("SLUICE_CACHE_EMBEDDING_MODEL") or EMBEDDING_MODELS.get(provider.name)
+    if not model:
+        raise ConfigurationError(
+            f"SLUICE_CACHE_EMBEDDER=provider: {provider.name} has no default embedding model; "
+            "set SLUICE_CACHE_EMBEDDING_MODEL (one that can return 384 dimensions), or use local"
+        )
+    return ProviderEmbedder(provider, model, CACHE_DIMENSIONS)
 
 
 async def llm_inference(job: JobContext) -> dict[str, Any]:

@@ -53,7 +53,7 @@ class OfflineProvider:
             finish_reason="length" if completion == max_tokens else "stop",
         )
 
-    async def embed(self, texts: Sequence[str], *, model: str) -> Embeddings:
+    async def embed(self, texts: Sequence[str], *, model: str, dimensions: int | None = None) -> Embeddings:
         raise ProviderRejected(
             self.name,
             "the offline model has no embeddings; the semantic cache uses the local embedder",

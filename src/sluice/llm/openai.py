@@ -155,14 +155,17 @@ class OpenAIProvider(HTTPProvider):
             limits=limits,
         )
 
-    async def embed(self, texts: Sequence[str], *, model: str) -> Embeddings:
+    async def embed(self, texts: Sequence[str], *, model: str, dimensions: int | None = None) -> Embeddings:
         vectors: list[list[float]] = []
         prompt_tokens = 0
         reported: str | None = None
         path = "/embeddings"
         for start in range(0, len(texts), MAX_EMBEDDING_INPUTS):
             batch = list(texts[start : start + MAX_EMBEDDING_INPUTS])
-            data, _ = await self.post(path, {"model": model, "input": batch}, model=model)
+            body: dict[str, Any] = {"model": model, "input": batch}
+            if dimensions is not None:
+                body["dimensions"] = dimensions
+            data, _ = await self.post(path, body, model=model)
             items = data.get("data")
             if not isinstance(items, list) or len(items) != len(batch):
                 raise self.unexpected(path, f"it does not hold {len(batch)} embeddings in 'data'")

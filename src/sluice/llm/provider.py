@@ -162,9 +162,10 @@ class Provider(Protocol):
         """One chat completion of at most ``max_tokens`` output tokens."""
         ...
 
-    async def embed(self, texts: Sequence[str], *, model: str) -> Embeddings:
-        """One vector per text (raises ProviderRejected(kind="unsupported") if the provider has
-        no embeddings)."""
+    async def embed(self, texts: Sequence[str], *, model: str, dimensions: int | None = None) -> Embeddings:
+        """One vector per text, of ``dimensions`` floats when given (models that can shorten
+        their vectors: OpenAI's text-embedding-3, Gemini's); raises
+        ProviderRejected(kind="unsupported") if the provider has no embeddings."""
         ...
 
     async def aclose(self) -> None:
