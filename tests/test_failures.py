@@ -18,27 +18,34 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from sluice.engine.context import JobContext
+from sluice.engine.queue import Queue
 from sluice.engine.worker import Worker
-from sluice.errors import BudgetError, PermanentError
+from sluice.errors import BudgetError, JobFailed, PermanentError
 from sluice.llm.analysis import (
     DEFAULT_BUDGET,
+    MAX_SAMPLE_CHARS,
+    MAX_TOKENS,
     estimate_tokens,
     mask_secrets,
     parse_answer,
 )
 from sluice.llm.provider import Completion, Embeddings, Message, Provider, ProviderRejected, Usage
+from sluice.llm.tokens import count_prompt_tokens
 from sluice.service.handlers import service_worker
+from sluice.store.jobs import NewJob
 from sluice.store.patterns import (
     ADVICE,
     ANALYSIS_JOB_TYPE,
     Category,
     PatternCollector,
+    PatternStore,
     classify,
     error_head,
     fingerprint,
+    pattern_jobs_query,
 )
 from sluice.store.schema import FailurePatternRow, JobRow
 from tests.conftest import eventually, running
@@ -199,13 +206,22 @@ def test_an_answer_is_read_as_json_or_kept_as_text(answer: str, root_cause: str,
 
 # ---- real dead-lettered jobs -------------------------------------------------------------------------------
 class FakeProvider:
-    """A stand-in for a paid LLM API: answers what it is told, records what it was sent."""
+    """A stand-in for a paid LLM API: answers what it is told, records what it was sent.
+    ``name``: the provider it stands in for (its tokens are counted as that one's);
+    ``default_model``: the model the worker's environment would configure (None: none)."""
 
-    name = "fake"
-
-    def __init__(self, answer: str = "", *, fail: Exception | None = None) -> None:
+    def __init__(
+        self,
+        answer: str = "",
+        *,
+        fail: Exception | None = None,
+        name: str = "fake",
+        default_model: str | None = None,
+    ) -> None:
         self.answer = answer
         self.fail = fail
+        self.name = name
+        self.default_model = default_model
         self.calls: list[tuple[list[Message], str, int]] = []
 
     async def complete(
@@ -224,7 +240,7 @@ class FakeProvider:
             self.answer, model, self.name, Usage(prompt_tokens=150, completion_tokens=50), cost=0.01
         )
 
-    async def embed(self, texts: Sequence[str], *, model: str) -> Embeddings:
+    async def embed(self, texts: Sequence[str], *, model: str, dimensions: int | None = None) -> Embeddings:
         raise ProviderRejected(self.name, "no embeddings", kind="unsupported")
 
     async def aclose(self) -> None:
@@ -504,7 +520,8 @@ async def test_the_llm_analysis_runs_as_a_job_under_its_budget(
             DEFAULT_BUDGET,
             "acme",
         )
-        assert job.tokens == estimate_tokens(job.payload) and job.tokens > 400
+        assert job.tokens == estimate_tokens(job.payload, provider="fake", model="fake-1")
+        assert job.tokens > 400
         assert "sk-proj" not in str(job.payload)  # masked before it entered the queue
         budget = (await api.client.get(f"/v1/budgets/{DEFAULT_BUDGET}", headers=auth(admin))).json()
         assert (budget["limit"], budget["window"], budget["used"]) == (50_000, "day", 0)
@@ -565,20 +582,15 @@ async def test_the_llm_analysis_runs_as_a_job_under_its_budget(
         async with api.svc.db.sessions() as session:
             made = await session.scalar(select(func.count()).where(JobRow.type == ANALYSIS_JOB_TYPE))
         assert made == 2
-        # ... and a failure-analysis job submitted without one is refused by the handler, which
-        # does not call the provider; asked again properly, the failed analysis gets a new job
+        # ... and asked again properly, the failed analysis gets a new job
         retry = await api.client.post(sync_path, headers=auth(admin))
         assert retry.status_code == 202 and retry.json()["job_id"] != first
         used = (await api.svc.queue.budgets.get(DEFAULT_BUDGET)).used
-        (bare,) = await submit(api, admin, [(ANALYSIS_JOB_TYPE, {"pattern": sync["id"]})])
         fake = FakeProvider(ANSWER)
         worker = service_worker(prefix=prefix, analysis=fake)
         async with running(worker, redis_url):
-            await until_finished(api, [bare])
             await until_finished(api, [retry.json()["job_id"]], "COMPLETED")
-        row = await api.svc.store.get(uuid.UUID(bare))
-        assert row is not None and "run under a budget" in (row.error or "")
-        assert len(fake.calls) == 1  # the budgeted one only
+        assert len(fake.calls) == 1
         assert (await api.svc.queue.budgets.get(DEFAULT_BUDGET)).used == used + 200
 
 
@@ -644,3 +656,271 @@ async def test_without_a_provider_given_the_worker_environment_chooses(
     fake = FakeProvider()
     assert await _provider(fake) == (fake, False)
     assert await _provider(lambda: fake) == (fake, True)
+
+
+# ---- the analysis's reservation bounds what it sends ---------------------------------------------------
+def _ping(depth: int, org: int) -> None:
+    if depth == 0:
+        raise ValueError(
+            f"組織 {org} の請求書を作成できませんでした: 顧客データが見つかりません (Счёт не создан, "
+            "données introuvables)。" * 6
+        )
+    _pong(depth - 1, org)
+
+
+def _pong(depth: int, org: int) -> None:
+    _ping(depth - 1, org)  # two frames in turn: a traceback that does not fold its repeats
+
+
+async def invoice(job: JobContext) -> None:
+    """Dies with a long Japanese message on top of a deep traceback: a sample whose tokens a
+    quarter of its characters does not bound (bytes per character, and code's punctuation)."""
+    _ping(40, job.payload["org"])
+
+
+@pytest.mark.parametrize(
+    ("provider", "model"), [("openai", "gpt-4o"), ("anthropic", "claude-sonnet-4-5")], ids=["exact", "bytes"]
+)
+async def test_the_analysis_reserves_what_its_prompt_and_answer_can_use(
+    redis_url: str, sluice_database_url: str, prefix: str, provider: str, model: str
+) -> None:
+    async with running_service(
+        redis_url,
+        sluice_database_url,
+        prefix,
+        auth=True,
+        SLUICE_LLM_PROVIDER=provider,
+        SLUICE_LLM_MODEL=model,
+        analysis_budget="ops-analysis",
+    ) as api:
+        _, admin = await api.svc.keys.create("acme", admin=True)
+        ids = await submit(api, admin, [("invoice", {"org": 7})])
+        worker = failing_worker(prefix)
+        worker.register("invoice", invoice)
+        async with running(worker, redis_url):
+            await until_finished(api, ids)
+        await PatternCollector(api.svc.db, settle=0).collect(now=later())
+        (pattern,) = (await api.client.get("/v1/failures/patterns", headers=auth(admin))).json()["patterns"]
+        asked = await api.client.post(f"/v1/failures/patterns/{pattern['id']}/analysis", headers=auth(admin))
+        assert asked.status_code == 202, asked.text
+        job = await api.svc.store.get(uuid.UUID(asked.json()["job_id"]))
+        assert job is not None and job.budget == "ops-analysis"
+
+        # When a worker runs it (a fake of the configured provider, counted as that one)
+        fake = FakeProvider(ANSWER, name=provider)
+        async with running(service_worker(prefix=prefix, analysis=fake), redis_url):
+            await until_finished(api, [str(job.id)], "COMPLETED")
+        ((messages, used, max_tokens),) = fake.calls
+        sample = messages[-1]["content"]
+        assert "請求書" in sample and "Traceback" in sample and sample.count('File "') >= 6
+        # Then the reservation is at least what the tokens module counts for the very messages it
+        # sent, to the model it asked, and the longest answer it asked for: the whole answer
+        assert (used, max_tokens) == (model, MAX_TOKENS)
+        assert job.tokens >= count_prompt_tokens(messages, provider=fake.name, model=used) + max_tokens
+
+        # The analysis budget is the service's: a caller's job may not spend from it
+        spend = {"type": "generic", "payload": {}, "budget": "ops-analysis", "tokens": 10}
+        refused = await api.client.post("/v1/jobs", json=spend, headers=auth(admin))
+        assert refused.status_code == 422 and "failure analyses'" in refused.json()["message"]
+
+
+async def test_the_handler_bounds_the_sample_and_asks_the_workers_model(
+    queue: Queue, redis_url: str, prefix: str
+) -> None:
+    # Given analysis jobs put on the queue by a producer with Redis access, past the API's checks:
+    # one with a huge sample and a model of its choosing, one without a budget
+    await queue.budgets.create(DEFAULT_BUDGET, 1_000_000, window="day")
+    payload = {
+        "pattern": "0" * 16,
+        "job_type": "t" * 5_000,
+        "error_type": "ValueError",
+        "message": "m" * 5_000,
+        "category": "permanent",
+        "count": 3,
+        "sample": "ValueError: " + "秘" * 30_000,
+        "model": "the-priciest-model",
+        "max_tokens": MAX_TOKENS,
+    }
+    big = await queue.add(ANALYSIS_JOB_TYPE, payload, tokens=200_000, budget=DEFAULT_BUDGET, max_attempts=1)
+    bare = await queue.add(ANALYSIS_JOB_TYPE, {"pattern": "0" * 16}, max_attempts=1)
+    # When a worker configured with its own model runs them
+    fake = FakeProvider(ANSWER, default_model="worker-model")
+    async with running(service_worker(queue.name, prefix=prefix, analysis=fake), redis_url):
+        await big.result(timeout=30)
+        with pytest.raises(JobFailed, match="run under a budget"):
+            await bare.result(timeout=30)
+    # Then the provider was asked once, with the worker's model, and a prompt cut to its bounds
+    ((messages, model, _),) = fake.calls
+    assert model == "worker-model"
+    prompt = messages[-1]["content"]
+    assert prompt.count("秘") <= MAX_SAMPLE_CHARS and prompt.count("m") < 400 and prompt.count("t") < 400
+    assert len(prompt) < MAX_SAMPLE_CHARS + 1_500
+
+
+# ---- only the service makes analysis jobs ---------------------------------------------------------------
+@pytest.mark.parametrize("fast_lane", [True, False], ids=["fast-lane", "routes"])
+async def test_callers_cannot_make_analysis_jobs_nor_spend_the_analysis_budget(
+    redis_url: str, sluice_database_url: str, prefix: str, fast_lane: bool
+) -> None:
+    # A service with no AI provider configured, and the analysis budget already made
+    async with running_service(redis_url, sluice_database_url, prefix, auth=True, fast_lane=fast_lane) as api:
+        _, key = await api.svc.keys.create("acme", admin=True)
+        await api.svc.queue.budgets.create(DEFAULT_BUDGET, 200_000, window="day")
+        await api.svc.queue.budgets.create("mine", 1_000)
+        forged = {"pattern": "0" * 16, "sample": "x" * 50_000, "model": "the-priciest-model"}
+        # the key the next analysis of a pattern asks for (llm.analysis.idempotency_key)
+        claim = f"{ANALYSIS_JOB_TYPE}:jobs:{'0' * 16}:{datetime.now(UTC).date().isoformat()}:0"
+        made_by = "failure-analysis jobs are made by POST /v1/failures/patterns/{id}/analysis"
+        theirs = "is the failure analyses'"
+        reserved = "are the service's"
+        attempts: list[tuple[str, dict[str, Any], str]] = [
+            (
+                "/v1/jobs",
+                {"type": ANALYSIS_JOB_TYPE, "payload": forged, "budget": DEFAULT_BUDGET, "tokens": 500},
+                made_by,
+            ),
+            ("/v1/jobs", {"type": ANALYSIS_JOB_TYPE, "payload": forged}, made_by),
+            ("/v1/jobs/batch", {"jobs": [{"type": ANALYSIS_JOB_TYPE, "payload": forged}]}, made_by),
+            ("/jobs", {"type": ANALYSIS_JOB_TYPE, "payload": forged}, made_by),
+            ("/enqueue", {"type": ANALYSIS_JOB_TYPE, "payload": forged}, made_by),
+            ("/v1/jobs", {"type": "generic", "payload": {}, "budget": DEFAULT_BUDGET, "tokens": 10}, theirs),
+            (
+                "/v1/jobs/batch",
+                {"jobs": [{"type": "generic", "payload": {}, "budget": DEFAULT_BUDGET, "tokens": 10}]},
+                theirs,
+            ),
+            (
+                "/v1/jobs",
+                {"type": "llm-inference", "payload": {"prompt": "hi", "budget_usd": DEFAULT_BUDGET}},
+                theirs,
+            ),
+            ("/v1/jobs", {"type": "generic", "payload": {}, "idempotency_key": claim}, reserved),
+            (
+                "/v1/jobs/batch",
+                {"jobs": [{"type": "generic", "payload": {}, "idempotency_key": claim}]},
+                reserved,
+            ),
+            ("/jobs", {"type": "generic", "payload": {}, "idempotencyKey": claim}, reserved),
+            ("/enqueue", {"type": "generic", "payload": {}, "idempotencyKey": claim}, reserved),
+        ]
+        for path, body, says in attempts:
+            resp = await api.client.post(path, json=body, headers=auth(key))
+            assert resp.status_code == 422, (path, body, resp.text)
+            assert says in resp.json()["message"], (path, resp.text)
+        # nothing was stored, nothing enqueued, nothing reserved
+        async with api.svc.db.sessions() as session:
+            assert await session.scalar(select(func.count()).select_from(JobRow)) == 0
+        assert (await api.svc.queue.counts())["waiting"] == 0
+        assert (await api.svc.queue.budgets.get(DEFAULT_BUDGET)).used == 0
+        # a budget of the caller's own, and a key of its own, are fine
+        mine = {
+            "type": "generic",
+            "payload": {},
+            "budget": "mine",
+            "tokens": 10,
+            "idempotency_key": "analysis-1",
+        }
+        assert (await api.client.post("/v1/jobs", json=mine, headers=auth(key))).status_code == 201
+
+
+# ---- a pattern's jobs, by its index -------------------------------------------------------------------
+_FILL = """
+WITH j AS (
+    INSERT INTO jobs (id, tenant, queue, type, status, priority, max_attempts, payload, backoff,
+                      error, created_at, updated_at)
+    SELECT md5('job' || i)::uuid, 'acme', CASE WHEN i % 4 = 0 THEN 'other' ELSE 'jobs' END, 'sync',
+           'DEAD_LETTER', 0, 1, '{}', '[]', 'ValueError: x', now(), now() - i * interval '1 second'
+    FROM generate_series(1, 20000) AS i
+    RETURNING id, tenant, queue, updated_at
+)
+INSERT INTO failure_pattern_jobs (job_id, tenant, queue, pattern, status, token, dead_at)
+SELECT id, tenant, queue, 'p' || (abs(hashtext(id::text)) % 3), 'DEAD_LETTER', 1, updated_at FROM j
+"""
+
+
+async def test_a_patterns_jobs_page_reads_its_index_in_order(sluice_database_url: str) -> None:
+    from sqlalchemy import text
+
+    from sluice.store.database import Database
+
+    db = Database(sluice_database_url)
+    try:
+        await db.migrate()
+        async with db.sessions() as session, session.begin():
+            await session.execute(text(_FILL))
+            for table in ("jobs", "failure_pattern_jobs"):
+                await session.execute(text(f"ANALYZE {table}"))
+
+        async def plan(after: tuple[datetime, uuid.UUID] | None) -> str:
+            query = pattern_jobs_query("acme", "jobs", "p1", limit=51, after=after)
+            sql = query.compile(dialect=db.engine.dialect, compile_kwargs={"literal_binds": True})
+            async with db.sessions() as session:
+                return "\n".join(r[0] for r in await session.execute(text(f"EXPLAIN {sql}")))
+
+        # a first page and one further on: the pattern's index, in its order, and no sort
+        for after in (None, (datetime.now(UTC) - timedelta(hours=2), uuid.UUID(int=0))):
+            found = await plan(after)
+            assert "Scan using ix_failure_pattern_jobs_pattern" in found, found
+            assert "Sort" not in found, found
+            # the cursor is a condition of the index, not a filter of the rows it reads
+            assert "Filter" not in found, found
+        # and the page is the pattern's latest deaths of that queue
+        page = await PatternStore(db).jobs("acme", "jobs", "p1", limit=5)
+        assert len(page.jobs) == 5 and page.next_cursor is not None
+        assert [at for _, at in page.jobs] == sorted((at for _, at in page.jobs), reverse=True)
+        assert {j.queue for j, _ in page.jobs} == {"jobs"}
+    finally:
+        await db.close()
+
+
+# ---- a death committed late is counted ------------------------------------------------------------------
+async def test_a_death_committed_behind_the_collectors_cursor_is_counted(
+    api: Running, prefix: str, redis_url: str
+) -> None:
+    _, acme = await api.svc.keys.create("acme")
+    first = await submit(api, acme, [("sync-user", {"org": 1})])
+    async with running(failing_worker(prefix), redis_url):
+        await until_finished(api, first)
+    collector = PatternCollector(api.svc.db, settle=0)
+    assert (await collector.collect(now=later())).counted == 1
+    cursor = await api.svc.store.get(uuid.UUID(first[0]))
+    assert cursor is not None
+    # Given a job whose death a sink batch committed late: its updated_at (stamped before the
+    # batch connected) is behind the cursor the pass left
+    late, _ = await api.svc.store.create(
+        NewJob(
+            "acme", "jobs", "sync-user", {"org": 2}, priority=0, max_attempts=1, backoff=["fixed", 1, 1, 0]
+        )
+    )
+    async with api.svc.db.sessions() as session, session.begin():
+        await session.execute(
+            update(JobRow)
+            .where(JobRow.id == late.id)
+            .values(
+                status="DEAD_LETTER",
+                error=f"ValueError: no user {uuid.uuid4()} in org 2",
+                updated_at=cursor.updated_at - timedelta(seconds=20),
+            )
+        )
+    # When the next pass runs, it is counted, into its pattern, once
+    again = await collector.collect(now=later())
+    assert (again.counted, again.late) == (1, 1)
+    assert (await collector.collect(now=later())).counted == 0
+    assert (await PatternCollector(api.svc.db, settle=0).collect(now=later())).counted == 0
+    (pattern,) = (await api.client.get("/v1/failures/patterns", headers=auth(acme))).json()["patterns"]
+    assert pattern["count"] == 2
+    # a death older than the overlap the pass looks back over is left (a bounded look-back)
+    old, _ = await api.svc.store.create(
+        NewJob(
+            "acme", "jobs", "sync-user", {"org": 3}, priority=0, max_attempts=1, backoff=["fixed", 1, 1, 0]
+        )
+    )
+    async with api.svc.db.sessions() as session, session.begin():
+        await session.execute(
+            update(JobRow)
+            .where(JobRow.id == old.id)
+            .values(
+                status="DEAD_LETTER", error="ValueError: x", updated_at=cursor.updated_at - timedelta(hours=1)
+            )
+        )
+    assert (await collector.collect(now=later())).counted == 0

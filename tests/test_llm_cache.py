@@ -5,6 +5,7 @@ across processes (real ones, sharing Redis and the database)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -121,16 +122,20 @@ async def test_entries_expire_and_the_purge_deletes_them(cache: SemanticCache, d
     assert prompts == ["Who painted the Mona Lisa?"]
 
 
-async def test_hits_are_counted_on_the_entry(cache: SemanticCache, db: Database) -> None:
-    entry = await cache.store("t1", SCOPE, "Who painted the Mona Lisa?", answer("Leonardo"))
-    for _ in range(3):
-        assert (await cache.lookup("t1", SCOPE, "Who painted the Mona Lisa?")).hit is not None
-    await cache.aclose()
-    async with db.engine.connect() as conn:
-        raw = (await conn.get_raw_connection()).driver_connection
-        assert raw is not None
-        hits = await raw.fetchval("SELECT hits FROM llm_cache WHERE id = $1", entry)
-    assert hits == 3
+async def test_a_prompt_longer_than_the_embedder_reads_is_served_by_exact_match_only(
+    cache: SemanticCache,
+) -> None:
+    # One long opening (instructions), then different documents: embedded by their start, the two
+    # would look identical; the cache must not serve one's answer to the other.
+    instructions = "You are a support agent. Summarize the customer's ticket below in one line. " * 30
+    first = instructions + "Ticket: my washing machine leaks water onto the floor."
+    second = instructions + "Ticket: my laptop screen flickers when on battery."
+    assert not EMBEDDER.covers(first)
+    await cache.store("t1", SCOPE, first, answer("washing machine leak"))
+    assert (await cache.lookup("t1", SCOPE, second)).hit is None
+    again = await cache.lookup("t1", SCOPE, first)
+    assert again.hit is not None and again.hit.exact
+    assert cache.stats["too_long"] == 1
 
 
 async def test_concurrent_identical_misses_make_one_call(cache: SemanticCache) -> None:
@@ -273,3 +278,47 @@ def _answer_of(text: str) -> Any:
         return answer(text)
 
     return call
+
+
+async def test_when_the_leader_is_cancelled_a_follower_calls_instead(cache: SemanticCache) -> None:
+    calls = 0
+    started = asyncio.Event()
+
+    async def slow() -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        started.set()
+        await asyncio.sleep(0.3)
+        return answer(f"call {calls}")
+
+    leader = asyncio.create_task(cache.through("t1", SCOPE, "Explain what a monad is.", slow))
+    await started.wait()
+    follower = asyncio.create_task(cache.through("t1", SCOPE, "Explain what a monad is.", slow))
+    await asyncio.sleep(0.05)
+    leader.cancel()  # its job timed out, say: the follower must not fail with it
+    response, hit = await follower
+    assert hit is None and response["response"] == "call 2"
+    assert leader.cancelled()
+
+
+def test_the_cache_benchmark_refuses_a_database_whose_cache_is_in_use(
+    cache: SemanticCache, sluice_database_url: str
+) -> None:
+    asyncio.run(_store_one(sluice_database_url))
+    done = subprocess.run(
+        [sys.executable, "-m", "sluice", "bench", "cache", "--database", sluice_database_url, "-n", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "holds entries, and the benchmark would delete them" in done.stderr
+
+
+async def _store_one(url: str) -> None:
+    db = Database(url)
+    try:
+        await SemanticCache(db, EMBEDDER).store("t1", SCOPE, "Who painted the Mona Lisa?", answer("Leonardo"))
+    finally:
+        await db.close()

@@ -279,7 +279,14 @@ async def test_a_budget_in_money_is_charged_the_calls_cost_and_refuses_before_it
             api,
             (
                 await submit(
-                    api, key, {"prompt": "Name another prime.", "max_tokens": 50, "budget_usd": "usd-tiny"}
+                    api,
+                    key,
+                    {
+                        "prompt": "Name another prime.",
+                        "max_tokens": 50,
+                        "budget_usd": "usd-tiny",
+                        "cache": False,
+                    },
                 )
             )["id"],
         )
@@ -315,3 +322,99 @@ async def db_url_cache(sluice_database_url: str) -> AsyncIterator[Database]:
     await db.migrate()
     yield db
     await db.close()
+
+
+async def _fault(url: str, faults: list[dict[str, Any]]) -> None:
+    async with httpx.AsyncClient() as client:
+        (await client.post(url + "/_control/faults", json=faults)).raise_for_status()
+
+
+@pytest.mark.parametrize(
+    ("fault", "charged"),
+    [
+        ({"status": 200, "omit_usage": True}, "reservation"),  # answered, usage unknown: keep it all
+        ({"status": 500}, "nothing"),  # a 5xx bills nothing
+        ({"status": 404, "code": "model_not_found"}, "nothing"),  # refused: nothing billed
+    ],
+)
+async def test_what_the_budget_keeps_depends_on_what_the_provider_said(
+    api: Running,
+    runtime: LLMRuntime,
+    provider_url: str,
+    redis_url: str,
+    prefix: str,
+    fault: dict[str, Any],
+    charged: str,
+) -> None:
+    _, key = await api.svc.keys.create("acme")
+    await api.svc.queue.budgets.create("llm", 100_000)
+    await _fault(provider_url, [fault])
+    async with running(service_worker(prefix=prefix, llm=runtime), redis_url):
+        job = await submit(
+            api,
+            key,
+            {"prompt": "Name a planet.", "max_tokens": 30, "cache": False},
+            budget="llm",
+            max_attempts=1,
+        )
+        row = await finished(api, job["id"])
+    used = (await api.svc.queue.budgets.get("llm")).used
+    if charged == "reservation":
+        assert row.status == "COMPLETED" and row.result["usage"]["reported"] is False
+        assert used == job["tokens"]
+    else:
+        assert row.status == "DEAD_LETTER"
+        assert used == 0
+
+
+async def test_an_unknown_provider_is_refused_at_the_api(api: Running) -> None:
+    _, key = await api.svc.keys.create("acme")
+    resp = await api.client.post(
+        "/v1/jobs",
+        json={"type": "llm-inference", "payload": {"prompt": "hi", "provider": "skynet"}},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert resp.status_code == 422 and "payload.provider 'skynet'" in resp.json()["message"]
+
+
+async def test_a_provider_without_its_key_dead_letters_at_once(
+    api: Running, runtime: LLMRuntime, redis_url: str, prefix: str
+) -> None:
+    # The payload names Anthropic; this deployment has no ANTHROPIC_API_KEY (the runtime's env
+    # is the test's: none). The job ends at once, saying which variable to set.
+    _, key = await api.svc.keys.create("acme")
+    async with running(service_worker(prefix=prefix, llm=runtime), redis_url):
+        job = await submit(
+            api, key, {"prompt": "hi", "provider": "anthropic", "cache": False}, max_attempts=5
+        )
+        row = await finished(api, job["id"])
+    assert row.status == "DEAD_LETTER" and row.attempts == 1
+    assert "ANTHROPIC_API_KEY" in (row.error or "")
+
+
+async def test_a_cache_hit_needs_no_room_in_a_money_budget(
+    api: Running, runtime: LLMRuntime, redis_url: str, prefix: str
+) -> None:
+    _, key = await api.svc.keys.create("acme")
+    await api.svc.queue.budgets.create("usd", 1_000_000)
+    await api.svc.queue.budgets.create("usd-empty", 1)
+    async with running(service_worker(prefix=prefix, llm=runtime), redis_url):
+        first = await submit(api, key, {"prompt": "What is the boiling point of water?", "budget_usd": "usd"})
+        await finished(api, first["id"])
+        again = await submit(
+            api, key, {"prompt": "What is the boiling point of water?", "budget_usd": "usd-empty"}
+        )
+        row = await finished(api, again["id"])
+    assert row.status == "COMPLETED" and row.result["cacheHit"] is True
+    assert (await api.svc.queue.budgets.get("usd-empty")).used == 0
+
+
+async def test_a_job_reserving_more_than_the_token_gate_is_refused_at_once(
+    redis_url: str, sluice_database_url: str, prefix: str
+) -> None:
+    async with running_service(redis_url, sluice_database_url, prefix, llm_tpm=1_000) as svc:
+        resp = await svc.client.post(
+            "/v1/jobs", json={"type": "llm-inference", "payload": {"prompt": "hi", "max_tokens": 2_000}}
+        )
+    assert resp.status_code == 422
+    assert "more than the provider's 1,000 tokens per minute" in resp.json()["message"]

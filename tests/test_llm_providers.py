@@ -27,7 +27,14 @@ import pytest
 from sluice.errors import ConfigurationError, PermanentError, Throttled
 from sluice.llm.anthropic import AnthropicProvider
 from sluice.llm.gemini import GeminiProvider
-from sluice.llm.http import HTTPProvider, parse_duration
+from sluice.llm.http import (
+    FALLBACK_RETRY_AFTER,
+    MAX_MESSAGE_CHARS,
+    MAX_RETRY_AFTER,
+    MIN_RETRY_AFTER,
+    HTTPProvider,
+    parse_duration,
+)
 from sluice.llm.openai import OpenAIProvider
 from sluice.llm.provider import (
     Message,
@@ -38,7 +45,7 @@ from sluice.llm.provider import (
     ProviderUnavailable,
     Usage,
 )
-from sluice.llm.providers import model_from_env, ollama_url, provider_from_env
+from sluice.llm.providers import KNOWN_PROVIDERS, model_from_env, ollama_url, provider_for, provider_from_env
 from sluice.testing.embedded import free_port
 from sluice.testing.llm_servers import serve_anthropic, serve_gemini
 from sluice.testing.provider import (
@@ -55,6 +62,10 @@ pytestmark = pytest.mark.slow
 
 KEYS = {name: f"test-{name}-{secrets.token_hex(8)}" for name in ("openai", "anthropic", "gemini")}
 MODELS = {"openai": "gpt-test", "anthropic": "claude-test", "gemini": "gemini-test"}
+#: Models the pricing table knows, so that a cost is computed (or, without usage, must not be).
+PRICED = {"openai": "gpt-4o-mini", "anthropic": "claude-haiku-4-5", "gemini": "gemini-2.5-flash"}
+#: OpenAI's models that take max_completion_tokens, not max_tokens.
+REASONING_MODELS = ("gpt-5-mini", "o3")
 EMBEDDING_MODEL = "embed-test"
 DIMENSIONS = 32
 #: Generous limits: the servers send their rate-limit headers, and never refuse.
@@ -70,20 +81,27 @@ CHAT: list[Message] = [
 
 @pytest.fixture(scope="module")
 def openai_url() -> Iterator[str]:
-    models = (MODELS["openai"], EMBEDDING_MODEL)
+    models = (
+        MODELS["openai"],
+        PRICED["openai"],
+        *REASONING_MODELS,
+        EMBEDDING_MODEL,
+        "text-embedding-3-small",
+    )
     with serve_provider(ROOMY, api_key=KEYS["openai"], models=models, embedding_dimensions=DIMENSIONS) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def anthropic_url() -> Iterator[str]:
-    with serve_anthropic(ROOMY, api_key=KEYS["anthropic"], models=[MODELS["anthropic"]]) as url:
+    models = [MODELS["anthropic"], PRICED["anthropic"]]
+    with serve_anthropic(ROOMY, api_key=KEYS["anthropic"], models=models) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def gemini_url() -> Iterator[str]:
-    models = (MODELS["gemini"], EMBEDDING_MODEL)
+    models = (MODELS["gemini"], PRICED["gemini"], EMBEDDING_MODEL)
     with serve_gemini(None, api_key=KEYS["gemini"], models=models) as url:
         yield url
 
@@ -165,6 +183,40 @@ async def test_openai_completion_reports_usage_cached_tokens_and_limits(openai_u
     assert sent[1]["body"]["temperature"] == 0.2 and "x-client-request-id" not in sent[1]["headers"]
 
 
+async def test_openai_reasoning_models_get_max_completion_tokens(openai_url: str) -> None:
+    async with make("openai", openai_url) as provider:
+        assert isinstance(provider, OpenAIProvider)
+        answers = [await provider.complete(CHAT, model=m, max_tokens=7) for m in REASONING_MODELS]
+        plain = await provider.complete(CHAT, model="gpt-test", max_tokens=7)
+    assert [a.usage.completion_tokens for a in [*answers, plain]] == [7, 7, 7]
+    bodies = [r["body"] for r in (await received(openai_url))[-3:]]
+    for body in bodies[:2]:
+        assert body["max_completion_tokens"] == 7 and "max_tokens" not in body
+    assert bodies[2]["max_tokens"] == 7 and "max_completion_tokens" not in bodies[2]
+    # A field fixed by the caller, and another server than OpenAI's, keep max_tokens.
+    env = {"OPENAI_API_KEY": KEYS["openai"]}
+    fixed = OpenAIProvider(
+        base_url=f"{openai_url}/v1", api_key_env="OPENAI_API_KEY", env=env, max_tokens_field="max_tokens"
+    )
+    other = OpenAIProvider(base_url=f"{openai_url}/v1", api_key_env="OPENAI_API_KEY", env=env, name="vllm")
+    for provider in (fixed, other):
+        async with provider:
+            assert (await provider.complete(CHAT, model="o3", max_tokens=5)).usage.completion_tokens == 5
+        assert provider.max_tokens_field_for("gpt-5-mini") == "max_tokens"
+    assert all("max_tokens" in r["body"] for r in (await received(openai_url))[-2:])
+    # The environment's choice of a reasoning model gets the field too.
+    chosen = provider_from_env({"SLUICE_LLM_MODEL": "gpt-5-mini", "OPENAI_API_KEY": "k"})
+    assert isinstance(chosen, OpenAIProvider)
+    assert [
+        chosen.max_tokens_field_for(m) for m in ("gpt-5-mini", "o4-mini-2025-04-16", "gpt-5.1", "o1")
+    ] == ["max_completion_tokens"] * 4
+    assert [chosen.max_tokens_field_for(m) for m in ("gpt-4o-mini", "gpt-50", "omni-moderation-latest")] == [
+        "max_tokens"
+    ] * 3
+    ollama = provider_from_env({"SLUICE_LLM_PROVIDER": "ollama", "SLUICE_LLM_MODEL": "o3"})
+    assert isinstance(ollama, OpenAIProvider) and ollama.max_tokens_field_for("o3") == "max_tokens"
+
+
 async def test_openai_embeddings_are_one_vector_per_text_in_order(openai_url: str) -> None:
     texts = ["the cat sat on the mat", "stock prices fell sharply", "the cat sat on the mat"]
     async with make("openai", openai_url) as provider:
@@ -236,10 +288,34 @@ async def test_gemini_embeddings_are_sent_in_batches_of_a_hundred(gemini_url: st
         result = await provider.embed(texts, model="embed-test")
     assert result.vectors == [hashed_embedding(t, 64) for t in texts]
     # Gemini reports no usage for embeddings: unknown, not free.
-    assert result.usage == Usage() and result.cost is None
+    assert result.usage == Usage(reported=False) and result.cost is None
     batches = [r["body"]["requests"] for r in (await received(gemini_url))[-2:]]
     assert [len(b) for b in batches] == [100, 50]
     assert batches[0][0] == {"model": "models/embed-test", "content": {"parts": [{"text": texts[0]}]}}
+
+
+async def test_an_answer_without_usage_is_unreported_and_of_unknown_cost(target: Target) -> None:
+    # A proxy or server that leaves the usage out: the zeros are unknown, not a free call.
+    await script(target.url, {"status": 200, "omit_usage": True})
+    async with target.provider() as provider:
+        bare = await ask(provider, PRICED[target.name], max_tokens=4)
+        full = await ask(provider, PRICED[target.name], max_tokens=4)
+    assert bare.text == "(4 simulated tokens)"
+    assert bare.usage == Usage(0, 0, 0, reported=False) and bare.cost is None
+    assert full.usage.reported and full.usage.completion_tokens == 4
+    assert full.cost is not None and full.cost > 0
+
+
+async def test_openai_null_usage_and_embeddings_without_usage_are_unreported(openai_url: str) -> None:
+    await script(openai_url, {"omit_usage": "null"}, {"status": 200, "omit_usage": True})
+    async with make("openai", openai_url) as provider:
+        assert isinstance(provider, OpenAIProvider)
+        answer = await provider.complete(CHAT, model=PRICED["openai"], max_tokens=3)
+        vectors = await provider.embed(["a text", "another"], model="text-embedding-3-small")
+        counted = await provider.embed(["a text", "another"], model="text-embedding-3-small")
+    assert answer.usage == Usage(reported=False) and answer.cost is None
+    assert vectors.usage == Usage(reported=False) and vectors.cost is None
+    assert counted.usage.reported and counted.usage.prompt_tokens > 0 and counted.cost is not None
 
 
 # ---- throttling --------------------------------------------------------------------------------
@@ -248,7 +324,7 @@ async def test_gemini_embeddings_are_sent_in_batches_of_a_hundred(gemini_url: st
 @pytest.mark.parametrize(
     ("fault", "wait"),
     [
-        ({"retry_after_ms": 300}, 0.3),  # retry-after-ms, the most precise
+        ({"retry_after_ms": 700}, 0.7),  # retry-after-ms, the most precise
         ({"retry_after_ms": 2500, "headers": {"retry-after-ms": None}}, 3.0),  # retry-after: whole seconds
         (
             {
@@ -332,6 +408,112 @@ async def test_a_quota_only_money_fixes_is_rejected_not_throttled(openai_url: st
     assert "no credit or quota left" in str(caught.value)
 
 
+def _past_http_date() -> str:
+    return format_datetime(datetime.now(UTC) - timedelta(seconds=30), usegmt=True)
+
+
+def _past_rfc3339() -> str:
+    return (datetime.now(UTC) - timedelta(seconds=30)).isoformat(timespec="milliseconds")
+
+
+@pytest.mark.parametrize(
+    ("name", "fault", "wait"),
+    [
+        # A wait of zero says nothing usable: the fallback, never an immediate return.
+        ("openai", {"headers": {"retry-after": "0"}}, FALLBACK_RETRY_AFTER),
+        ("openai", {"retry_after_ms": 0}, FALLBACK_RETRY_AFTER),  # retry-after-ms: 0, resets "0s"
+        ("openai", {"headers": {"retry-after": "past"}}, FALLBACK_RETRY_AFTER),  # an HTTP date gone by
+        # A past Anthropic reset (our clock ahead of theirs) and no retry-after.
+        (
+            "anthropic",
+            {
+                "headers": {
+                    "anthropic-ratelimit-requests-remaining": "0",
+                    "anthropic-ratelimit-requests-reset": "past-rfc3339",
+                }
+            },
+            FALLBACK_RETRY_AFTER,
+        ),
+        ("gemini", {"retry_after_ms": 0}, FALLBACK_RETRY_AFTER),  # RetryInfo retryDelay "0s"
+        # A wait above zero but shorter than the floor gets the floor.
+        ("openai", {"headers": {"retry-after-ms": "1"}}, MIN_RETRY_AFTER),
+        ("gemini", {"retry_after_ms": 20}, MIN_RETRY_AFTER),
+        # An absurd wait gets the ceiling.
+        ("openai", {"headers": {"retry-after": "1e12"}}, MAX_RETRY_AFTER),
+        ("anthropic", {"headers": {"retry-after": "86400"}}, MAX_RETRY_AFTER),
+    ],
+)
+async def test_a_429_pauses_between_the_floor_and_the_ceiling_whatever_it_says(
+    name: str, fault: dict[str, Any], wait: float, request: pytest.FixtureRequest
+) -> None:
+    url: str = request.getfixturevalue(f"{name}_url")
+    headers = dict(fault.get("headers", {}))
+    for header, value in headers.items():
+        headers[header] = {"past": _past_http_date(), "past-rfc3339": _past_rfc3339()}.get(value, value)
+    await script(url, {"status": 429, **fault, "headers": headers})
+    async with make(name, url) as provider:
+        with pytest.raises(ProviderThrottled) as caught:
+            await ask(provider, MODELS[name])
+    assert caught.value.retry_after == pytest.approx(wait)
+    assert f"retry in {wait:g} s" in str(caught.value)
+    if wait == MAX_RETRY_AFTER:
+        assert f"one pause is at most {MAX_RETRY_AFTER:g} s" in str(caught.value)
+
+
+def _gemini_quota_error(quota_id: str) -> dict[str, Any]:
+    """Gemini's 429 for an exhausted quota, as the API writes it (free tier)."""
+    return {
+        "error": {
+            "code": 429,
+            "message": (
+                "You exceeded your current quota, please check your plan and billing details. For more "
+                "information on this error, head to: https://ai.google.dev/gemini-api/docs/rate-limits.\n"
+                "* Quota exceeded for metric: generativelanguage.googleapis.com/"
+                "generate_content_free_tier_requests, limit: 250, model: gemini-2.5-flash\n"
+                "Please retry in 32.5s."
+            ),
+            "status": "RESOURCE_EXHAUSTED",
+            "details": [
+                {
+                    "@type": "type.googleapis.com/google.rpc.QuotaFailure",
+                    "violations": [
+                        {
+                            "quotaMetric": (
+                                "generativelanguage.googleapis.com/generate_content_free_tier_requests"
+                            ),
+                            "quotaId": quota_id,
+                            "quotaDimensions": {"location": "global", "model": "gemini-2.5-flash"},
+                            "quotaValue": "250",
+                        }
+                    ],
+                },
+                {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": "32s"},
+            ],
+        }
+    }
+
+
+async def test_gemini_per_day_quota_is_rejected_not_throttled_all_day(gemini_url: str) -> None:
+    per_day = "GenerateRequestsPerDayPerProjectPerModel-FreeTier"
+    per_minute = "GenerateRequestsPerMinutePerProjectPerModel-FreeTier"
+    await script(
+        gemini_url,
+        {"status": 429, "body": _gemini_quota_error(per_day)},
+        {"status": 429, "message": "Quota exceeded for quota metric 'Generate Content API requests per day'"},
+        {"status": 429, "body": _gemini_quota_error(per_minute)},
+    )
+    async with make("gemini", gemini_url) as provider:
+        for _ in range(2):  # the QuotaFailure's quotaId, then the message, names the day
+            with pytest.raises(ProviderRejected) as caught:
+                await ask(provider, "gemini-test")
+            assert caught.value.status == 429 and caught.value.kind == "auth"
+            assert "per-day quota is used up" in str(caught.value)
+        # A per-minute quota is a throttle, for the RetryInfo's delay.
+        with pytest.raises(ProviderThrottled) as throttled:
+            await ask(provider, "gemini-test")
+    assert throttled.value.retry_after == 32.0
+
+
 # ---- failures --------------------------------------------------------------------------------
 
 
@@ -380,6 +562,48 @@ async def test_a_wrong_key_is_rejected_as_auth_without_repeating_it(target: Targ
     assert wrong not in str(error) and wrong not in repr(error)
     if target.name == "openai":  # this server echoes the key it got: our message must not
         assert "Incorrect API key provided: [redacted]" in str(error)
+
+
+def _pieces(key: str, size: int = 8) -> list[str]:
+    return [key[i : i + size] for i in range(len(key) - size + 1)]
+
+
+async def test_a_key_in_an_error_is_scrubbed_before_the_message_is_shortened(openai_url: str) -> None:
+    key = "sk" + secrets.token_hex(20)
+    # The key straddles the cut at MAX_MESSAGE_CHARS: in a plain-text body, in a message that is
+    # not a string, and in a string message.
+    await script(
+        openai_url,
+        {"status": 502, "body": "x" * (MAX_MESSAGE_CHARS - 10) + key + " was refused"},
+        {"status": 400, "body": {"error": {"message": {"detail": "y" * (MAX_MESSAGE_CHARS - 20) + key}}}},
+        {"status": 401, "message": "z" * (MAX_MESSAGE_CHARS - 5) + key, "code": "invalid_api_key"},
+    )
+    async with make("openai", openai_url, key=key) as provider:
+        said: list[str] = []
+        for expected in (ProviderUnavailable, ProviderRejected, ProviderRejected):
+            with pytest.raises(expected) as caught:
+                await ask(provider, "gpt-test")
+            said.append(str(caught.value))
+    for text in said:
+        assert not [piece for piece in _pieces(key) if piece in text], text
+        assert "[r" in text  # the redaction, cut where the key began
+
+
+async def test_a_key_json_would_escape_is_scrubbed_from_a_message_that_is_not_a_string(
+    openai_url: str,
+) -> None:
+    # JSON writes " and \ escaped: the rendered message no longer holds the key as sent.
+    parts = [secrets.token_hex(8) for _ in range(3)]
+    key = f'sk"{parts[0]}\\{parts[1]}"{parts[2]}'
+    body = {"error": {"message": ["Incorrect API key provided:", key], "type": "invalid_request_error"}}
+    await script(openai_url, {"status": 401, "body": body})
+    async with make("openai", openai_url, key=key) as provider:
+        with pytest.raises(ProviderRejected) as caught:
+            await ask(provider, "gpt-test")
+    text = _everything_said_about(caught.value)
+    assert caught.value.kind == "auth" and "Incorrect API key provided" in str(caught.value)
+    assert not [part for part in parts if part in text]
+    assert "[redacted]" in str(caught.value)
 
 
 async def test_the_default_openai_key_goes_to_api_openai_com_only(openai_url: str) -> None:
@@ -519,6 +743,84 @@ async def test_provider_from_env_reaches_a_server_at_the_base_url_it_names(anthr
     async with provider:
         answer = await provider.complete(CHAT, model=provider.default_model, max_tokens=3)
     assert answer.usage.completion_tokens == 3 and answer.provider == "anthropic"
+
+
+def test_provider_for_gives_the_base_url_and_model_to_the_configured_provider_only() -> None:
+    key = "k-" + secrets.token_hex(4)
+    env = {
+        "SLUICE_LLM_PROVIDER": "anthropic",
+        "SLUICE_LLM_BASE_URL": "http://proxy.internal:8080",
+        "SLUICE_LLM_MODEL": "claude-x",
+        "ANTHROPIC_API_KEY": key,
+        "OPENAI_API_KEY": key,
+        "GEMINI_API_KEY": key,
+        "OLLAMA_HOST": "gpu-box",
+    }
+    configured = provider_for("Claude", env)
+    assert isinstance(configured, AnthropicProvider)
+    assert (configured.base_url, configured.default_model) == ("http://proxy.internal:8080", "claude-x")
+    built = [provider_for(name, env) for name in ("openai", "google", "ollama")]
+    assert [type(p) for p in built] == [OpenAIProvider, GeminiProvider, OpenAIProvider]
+    assert [(p.name, p.base_url, p.default_model) for p in built if isinstance(p, HTTPProvider)] == [
+        ("openai", "https://api.openai.com/v1", "gpt-4o-mini"),
+        ("gemini", "https://generativelanguage.googleapis.com", "gemini-2.5-flash"),
+        ("ollama", "http://gpu-box:11434/v1", "llama3.2"),
+    ]
+    # An OpenAI-compatible server has no URL but the configured provider's.
+    with pytest.raises(ConfigurationError, match="SLUICE_LLM_PROVIDER=openai-compatible"):
+        provider_for("openai-compatible", env)
+    with pytest.raises(ConfigurationError, match="not a provider Sluice knows"):
+        provider_for("watson", env)
+    with pytest.raises(ConfigurationError, match="set GEMINI_API_KEY"):
+        provider_for("gemini", {})
+    # With no provider configured, the settings are openai's (as provider_from_env reads them).
+    unset = {"OPENAI_API_KEY": key, "SLUICE_LLM_MODEL": "gpt-x", "SLUICE_LLM_BASE_URL": "http://gw:1/v1"}
+    openai = provider_for("openai", unset)
+    assert isinstance(openai, HTTPProvider) and (openai.base_url, openai.default_model) == (
+        "http://gw:1/v1",
+        "gpt-x",
+    )
+    compatible = {"AI_PROVIDER": "openai_compatible", "SLUICE_LLM_BASE_URL": "http://localhost:8000/v1"}
+    vllm = provider_for("compatible", compatible)
+    assert isinstance(vllm, OpenAIProvider) and vllm.base_url == "http://localhost:8000/v1"
+    # An unknown configured provider configures none: the named one still gets its defaults.
+    other = provider_for("anthropic", {**env, "SLUICE_LLM_PROVIDER": "watson"})
+    assert isinstance(other, AnthropicProvider) and other.base_url == "https://api.anthropic.com"
+    assert sorted(KNOWN_PROVIDERS) == [
+        "anthropic",
+        "claude",
+        "compatible",
+        "gemini",
+        "google",
+        "ollama",
+        "openai",
+        "openai-compatible",
+        "openai_compatible",
+    ]
+
+
+async def test_provider_for_reaches_the_configured_server_and_not_another_provider_there(
+    anthropic_url: str, openai_url: str
+) -> None:
+    env = {
+        "SLUICE_LLM_PROVIDER": "anthropic",
+        "SLUICE_LLM_BASE_URL": anthropic_url,
+        "SLUICE_LLM_MODEL": "claude-test",
+        "ANTHROPIC_API_KEY": KEYS["anthropic"],
+        "OPENAI_API_KEY": KEYS["openai"],
+    }
+    configured = provider_for("anthropic", env)
+    assert isinstance(configured, AnthropicProvider) and configured.default_model == "claude-test"
+    async with configured:
+        answer = await configured.complete(CHAT, model=configured.default_model, max_tokens=2)
+    assert answer.usage.completion_tokens == 2
+    # Another provider keeps its own API: the OpenAI key does not go to the configured proxy.
+    before = await received(anthropic_url)
+    openai = provider_for("openai", env)
+    assert isinstance(openai, OpenAIProvider) and openai.base_url == "https://api.openai.com/v1"
+    assert openai.default_model == "gpt-4o-mini"
+    await openai.aclose()
+    assert await received(anthropic_url) == before
 
 
 # ---- the canary -------------------------------------------------------------------------------

@@ -141,7 +141,8 @@ ENVIRONMENT = (
     Variable(
         "SLUICE_LLM_RPM",
         "(none: gates as set)",
-        "The provider's requests per minute for the model: the service sets it as the queue's shared gate.",
+        "The provider's requests per minute: the queue's shared start gate, which counts every job of "
+        "the service's queue (other types and cache hits too).",
     ),
     Variable(
         "SLUICE_LLM_TPM",

@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from sluice.cli.bench_cmd import JsonOpt, bench_app, console, save_json
+from sluice.cli.errors import CliFailure
 from sluice.cli.runtime import run
 
 
@@ -40,7 +41,8 @@ def cache(
     database: Annotated[
         str | None,
         typer.Option(
-            help="PostgreSQL URL with pgvector (default $SLUICE_DATABASE_URL, else a throw-away one)."
+            help="PostgreSQL URL with pgvector whose llm_cache table is empty (default: a throw-away "
+            "embedded server; never $SLUICE_DATABASE_URL: the benchmark rewrites the table)."
         ),
     ] = None,
     json_path: JsonOpt = None,
@@ -57,7 +59,7 @@ def cache(
     """
     from sluice.lab.cache_bench import CacheBenchSpec, run_cache_bench
     from sluice.lab.ingest import bench_database
-    from sluice.store.database import Database
+    from sluice.store.database import Database, redact_url
 
     try:
         spec = CacheBenchSpec(
@@ -73,13 +75,14 @@ def cache(
         db = Database(url, pool_size=2)
         try:
             await db.migrate()
+            await _refuse_a_used_cache(db, redact_url(url))
             with console.status("starting") as status:
                 result = await run_cache_bench(db, spec, status.update)
         finally:
             await db.close()
         return {"meta": {"database": origin, "cpus": os.cpu_count()}, **result}
 
-    with bench_database(database, durable=False) as bench_db:
+    with bench_database(database, durable=False, from_env=False) as bench_db:
         data = run(go(bench_db.url, bench_db.origin))
     for name, part in data["quality"].items():
         console.print(quality_table(name, part["rates"]))
@@ -87,6 +90,19 @@ def cache(
     console.print(workload_table(data["workload"]))
     console.print(latency_table(data["latency"]))
     save_json(json_path, data)
+
+
+async def _refuse_a_used_cache(db: Any, where: str) -> None:
+    """The benchmark truncates llm_cache and rebuilds its index: on a database whose cache holds
+    entries (a service's), that would throw away every tenant's answers."""
+    pool = await db.raw_pool()
+    async with pool.acquire() as conn:
+        used = await conn.fetchval("SELECT EXISTS (SELECT 1 FROM llm_cache)")
+    if used:
+        raise CliFailure(
+            f"the llm_cache table of {where} holds entries, and the benchmark would delete them: "
+            "give --database a database of its own (or leave it out for a throw-away server)"
+        )
 
 
 def quality_table(name: str, rows: list[dict[str, Any]]) -> Table:

@@ -187,7 +187,7 @@ def failures_show(
         found = await store.get(tenant, pattern_id)
         if found is None or jobs == 0:
             return found, []
-        return found, (await store.jobs(tenant, pattern_id, limit=jobs)).jobs
+        return found, (await store.jobs(tenant, found.queue, pattern_id, limit=jobs)).jobs
 
     found, latest = _run_db(url, work)
     if found is None:
@@ -304,15 +304,18 @@ def failures_analyze(
             found = await patterns.get(tenant, pattern_id)
             if found is None:
                 return None
-            intake = Intake(service_queue, JobStore(db), BudgetLedger(service_queue, db))
+            intake = Intake(
+                service_queue, JobStore(db), BudgetLedger(service_queue, db), analysis_budget=name
+            )
             try:
                 return await request_analysis(
                     patterns,
                     service_queue,
                     found,
-                    intake.submit,
+                    intake.submit_analysis,
                     budget=name,
                     budget_tokens=tokens,
+                    provider=_first(ENV_PROVIDERS),
                     model=model or _first(ENV_MODELS),
                     refresh=refresh,
                 )

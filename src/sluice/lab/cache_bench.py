@@ -72,6 +72,9 @@ class _TimedEmbedder:
         self.dimensions = inner.dimensions
         self.seconds = 0.0
 
+    def covers(self, text: str) -> bool:
+        return self.inner.covers(text)
+
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
         started = time.perf_counter()
         try:

@@ -166,8 +166,12 @@ class BenchDatabase:
 
 
 @contextlib.contextmanager
-def bench_database(explicit: str | None, *, durable: bool = True) -> Iterator[BenchDatabase]:
-    """``--database``, else $SLUICE_DATABASE_URL, else a throw-away embedded PostgreSQL.
+def bench_database(
+    explicit: str | None, *, durable: bool = True, from_env: bool = True
+) -> Iterator[BenchDatabase]:
+    """``--database``, else $SLUICE_DATABASE_URL (unless ``from_env`` is False: a benchmark that
+    rewrites a table must not find a production database by accident), else a throw-away
+    embedded PostgreSQL.
 
     The embedded server is durable by default (fsync and synchronous commit on,
     as a production server is): a 201 then means the row survives a crash,
@@ -175,7 +179,7 @@ def bench_database(explicit: str | None, *, durable: bool = True) -> Iterator[Be
     tenants of its own and leaves their rows in place (it never deletes what
     it did not make, and a benchmark's rows are small).
     """
-    url = explicit or os.environ.get(ENV_DATABASE_URL)
+    url = explicit or (os.environ.get(ENV_DATABASE_URL) if from_env else None)
     if url:
         yield BenchDatabase(url, "given")
         return

@@ -13,7 +13,18 @@ none.
 The job's payload carries the pattern itself (its normalized message, types,
 category, count and a sample error with whatever looks like a secret
 masked), so the worker needs no database, and the sample that leaves for the
-provider was masked before it entered the queue. The answer is the job's
+provider was masked before it entered the queue. Only the service makes these
+jobs (``request_analysis``, through the intake's own path): the API refuses a
+caller's job of this type, or one naming the analysis budget
+(``service/submit.py``). The handler still bounds what it sends (each field cut
+to its length again) and asks the model the worker is configured with.
+
+The job's token estimate is an upper bound, never a guess: the prompt counted
+by ``sluice.llm.tokens`` (exact for OpenAI's models, UTF-8 bytes plus framing
+for every other) plus the longest answer asked for. The handler counts the
+prompt it sends the same way, for the model it calls, and asks for no more
+answer than the estimate leaves, so the usage the provider reports cannot
+exceed what the budget reserved. The answer is the job's
 result; the store copies it onto the pattern when the job completes
 (``PatternStore.settle``), so a job can only ever write onto the pattern
 that asked for it. One job per pattern and day of its last failure (its
@@ -22,7 +33,7 @@ idempotency key): asking twice, or from two places, makes one job.
 
 from __future__ import annotations
 
-import math
+import asyncio
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,10 +44,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from sluice.engine.backoff import DEFAULT_BACKOFF
-from sluice.errors import ConfigurationError, PermanentError, RedisUnavailable, SluiceError
+from sluice.errors import ConfigurationError, MissingExtra, PermanentError, RedisUnavailable, SluiceError
 from sluice.llm.provider import Message, Provider
+from sluice.llm.tokens import count_prompt_tokens, estimate_prompt_tokens, reservation
 from sluice.store.jobs import NewJob, StoredJob
-from sluice.store.patterns import ANALYSIS_JOB_TYPE, Pattern, PatternStore, advice
+from sluice.store.patterns import ANALYSIS_JOB_TYPE, MAX_MESSAGE, Pattern, PatternStore, advice
 
 if TYPE_CHECKING:
     from sluice.engine.context import JobContext
@@ -52,6 +64,8 @@ MAX_TOKENS = 400
 MAX_SAMPLE_CHARS = 2000
 #: Attempts of an analysis job (a provider outage is retried with the default backoff).
 MAX_ATTEMPTS = 3
+#: Characters of a name (job type, error type, category, time) put into the prompt.
+MAX_NAME_CHARS = 200
 
 SYSTEM_PROMPT = (
     "You analyse failures of background jobs in a job queue. You are given one failure pattern: "
@@ -128,31 +142,60 @@ def analysis_payload(
     return payload
 
 
+def _cut(payload: dict[str, Any], name: str, limit: int, default: str = "") -> str:
+    """A payload field as prompt text, at most ``limit`` characters (cut again here, whoever
+    made the payload: the sample is the one field that could be long)."""
+    value = payload.get(name)
+    return (default if value is None else str(value))[:limit]
+
+
 def build_messages(payload: dict[str, Any]) -> list[Message]:
-    """The chat the provider is sent, from an analysis job's payload."""
-    category = str(payload.get("category", "unknown"))
+    """The chat the provider is sent, from an analysis job's payload (each field at most as long
+    as the service makes it: the sample ``MAX_SAMPLE_CHARS``, names ``MAX_NAME_CHARS``)."""
+    category = _cut(payload, "category", MAX_NAME_CHARS, "unknown")
+    count = payload.get("count")
     user = (
-        f"Job type: {payload.get('job_type')}\n"
-        f"Error type: {payload.get('error_type')}\n"
-        f"Normalized error message: {payload.get('message')}\n"
+        f"Job type: {_cut(payload, 'job_type', MAX_NAME_CHARS)}\n"
+        f"Error type: {_cut(payload, 'error_type', MAX_NAME_CHARS)}\n"
+        f"Normalized error message: {_cut(payload, 'message', MAX_MESSAGE)}\n"
         f"Category by rules: {category} (the rules advise: {advice(category)})\n"
-        f"Occurrences: {payload.get('count')} "
-        f"(first {payload.get('first_seen')}, last {payload.get('last_seen')})\n"
+        f"Occurrences: {count if isinstance(count, int) and not isinstance(count, bool) else '?'} "
+        f"(first {_cut(payload, 'first_seen', MAX_NAME_CHARS)}, "
+        f"last {_cut(payload, 'last_seen', MAX_NAME_CHARS)})\n"
         f"Sample error of the latest occurrence (secrets masked, may be truncated):\n"
-        f"{payload.get('sample') or '(none)'}"
+        f"{_cut(payload, 'sample', MAX_SAMPLE_CHARS) or '(none)'}"
     )
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
-def prompt_estimate(messages: Sequence[Message]) -> int:
-    """The prompt's tokens, estimated: a quarter of its characters, rounded up, and a few per
-    message for the chat format (an estimate is what the budget reserves; usage is charged)."""
-    return sum(math.ceil(len(m["content"]) / 4) + 4 for m in messages)
+def prompt_tokens(messages: Sequence[Message], *, provider: str, model: str) -> int:
+    """An upper bound of the prompt's input tokens for ``provider``'s ``model``
+    (``sluice.llm.tokens.count_prompt_tokens``: exact for OpenAI's models, UTF-8 bytes plus
+    framing otherwise; the byte bound too when tiktoken, the llm extra, is not installed).
+    A damaged rank file is a :class:`ConfigurationError`."""
+    try:
+        return count_prompt_tokens(messages, provider=provider, model=model)
+    except MissingExtra:
+        return estimate_prompt_tokens(messages)
 
 
-def estimate_tokens(payload: dict[str, Any]) -> int:
-    """The job's token estimate: its prompt's estimate and the longest answer it asks for."""
-    return prompt_estimate(build_messages(payload)) + int(payload.get("max_tokens", MAX_TOKENS))
+def _answer_tokens(payload: dict[str, Any], default: int = MAX_TOKENS) -> int:
+    asked = payload.get("max_tokens", default)
+    return asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else default
+
+
+def estimate_tokens(payload: dict[str, Any], *, provider: str | None = None, model: str | None = None) -> int:
+    """The job's token estimate, what its budget reserves: an upper bound of its prompt's tokens
+    for ``provider``'s ``model`` (default: the payload's; without either, the byte bound, which
+    holds for every model) plus the longest answer it asks for
+    (``sluice.llm.tokens.reservation``)."""
+    messages = build_messages(payload)
+    use = model or _cut(payload, "model", MAX_NAME_CHARS)
+    answer = _answer_tokens(payload)
+    try:
+        return reservation(messages, provider=provider or "", model=use, max_tokens=answer)
+    except MissingExtra:
+        return estimate_prompt_tokens(messages) + answer
 
 
 _FENCE = re.compile(r"^```(?:json)?\s*|\s*```$", re.IGNORECASE)
@@ -218,8 +261,13 @@ def make_handler(
     provider: ProviderSource = None, *, model: str | None = None, max_tokens: int = MAX_TOKENS
 ) -> Callable[[JobContext], Awaitable[dict[str, Any]]]:
     """The ``failure-analysis`` handler. ``provider``: a Provider, a function that makes one
-    (per job, closed after it), or None for ``sluice.llm.providers.provider_from_env()``;
-    ``model``: overrides the one the job names (the service's ``SLUICE_LLM_MODEL``/``AI_MODEL``)."""
+    (per job, closed after it), or None for ``sluice.llm.providers.provider_from_env()``.
+
+    The model is the worker's: ``model``, else the provider's ``default_model`` (what the
+    worker's ``SLUICE_LLM_MODEL``/``AI_MODEL`` or the provider's default names); the model the
+    job's payload names (the service's setting when it asked) only when the worker has none.
+    The prompt is counted for that model, and the answer may take what the job's estimate
+    leaves after it, and no more: the usage stays within what the budget reserved."""
 
     async def failure_analysis(job: JobContext) -> dict[str, Any]:
         if job.budget is None:
@@ -229,21 +277,29 @@ def make_handler(
             )
         payload = _checked(job.payload)
         messages = build_messages(payload)
-        # The answer may take what the reservation left after the prompt, and no more.
-        room = job.tokens - prompt_estimate(messages)
-        if room < 1:
-            raise PermanentError(
-                f"{ANALYSIS_JOB_TYPE}: the job's token estimate ({job.tokens}) leaves no room for an answer"
-            )
-        asked = payload.get("max_tokens", max_tokens)
-        cap = max(1, min(max_tokens, asked if isinstance(asked, int) and asked > 0 else max_tokens, room))
         chosen, owned = await _provider(provider)
         try:
-            use = model or payload.get("model") or getattr(chosen, "default_model", None)
+            named = payload.get("model")
+            use = (
+                model or getattr(chosen, "default_model", None) or (named if isinstance(named, str) else None)
+            )
             if not isinstance(use, str) or not use:
                 raise PermanentError(
                     "ConfigurationError: no LLM model is configured; set SLUICE_LLM_MODEL (or AI_MODEL)"
                 )
+            try:
+                # Off the loop: the first count of a process loads the tokenizer (up to 0.4 s).
+                prompt = await asyncio.to_thread(prompt_tokens, messages, provider=chosen.name, model=use)
+            except ConfigurationError as exc:
+                raise PermanentError(f"ConfigurationError: {exc}") from exc
+            # The answer may take what the reservation left after the prompt, and no more.
+            room = job.tokens - prompt
+            if room < 1:
+                raise PermanentError(
+                    f"{ANALYSIS_JOB_TYPE}: the job's token estimate ({job.tokens}) leaves no room for an "
+                    f"answer after its prompt ({prompt} tokens for {chosen.name}/{use})"
+                )
+            cap = min(max_tokens, _answer_tokens(payload, max_tokens), room)
             completion = await chosen.complete(
                 messages, model=use, max_tokens=cap, temperature=0.0, idempotency_key=job.idempotency_key
             )
@@ -314,20 +370,28 @@ async def request_analysis(
     *,
     budget: str = DEFAULT_BUDGET,
     budget_tokens: int = DEFAULT_BUDGET_TOKENS,
+    provider: str | None = None,
     model: str | None = None,
     max_tokens: int = MAX_TOKENS,
     refresh: bool = False,
 ) -> AnalysisRequest:
     """The pattern's analysis: the cached one (unless ``refresh``), the pending job's, or a
-    new job on ``queue`` (stored and enqueued by ``submit``, the service's intake) under
-    ``budget``, with a token estimate. Raises :class:`AnalysisRefused` when the budget
-    cannot be made: never an unbudgeted call."""
+    new job on ``queue`` (stored and enqueued by ``submit``, the service's intake:
+    ``Intake.submit_analysis``, the path callers cannot reach) under ``budget``, with a
+    token estimate that bounds what it can use with ``provider``'s ``model`` (see
+    :func:`estimate_tokens`). Raises :class:`AnalysisRefused` when the budget cannot be
+    made: never an unbudgeted call."""
     if pattern.analysis_job is not None:
         return AnalysisRequest("pending", pattern.analysis_job, None)
     if pattern.analysis is not None and not refresh:
         return AnalysisRequest("done", _job_of(pattern.analysis), pattern.analysis)
     await ensure_budget(queue, budget, budget_tokens)
     payload = analysis_payload(pattern, model=model, max_tokens=max_tokens)
+    try:
+        # Off the loop: the first count of a process may load the tokenizer.
+        tokens = await asyncio.to_thread(estimate_tokens, payload, provider=provider, model=model)
+    except ConfigurationError as exc:
+        raise AnalysisRefused(f"the analysis's tokens cannot be counted: {exc}") from exc
     new = NewJob(
         tenant=pattern.tenant,
         queue=queue.name,
@@ -342,10 +406,17 @@ async def request_analysis(
             DEFAULT_BACKOFF.jitter,
         ],
         idempotency_key=idempotency_key(pattern),
-        tokens=estimate_tokens(payload),
+        tokens=tokens,
         budget=budget,
     )
     stored, created = await submit(new)
+    if stored.type != ANALYSIS_JOB_TYPE:
+        # Another job holds the analysis's idempotency key (made before the intake reserved
+        # such keys): it must not become the pattern's analysis job.
+        raise AnalysisRefused(
+            f"the analysis's idempotency key {new.idempotency_key!r} is held by job {stored.id} of type "
+            f"{stored.type!r}, not an analysis"
+        )
     await patterns.mark_pending(pattern.tenant, pattern.queue, pattern.id, stored.id)
     # An earlier job of the same key may have finished already (asked again the same day).
     now = await patterns.get(pattern.tenant, pattern.id)

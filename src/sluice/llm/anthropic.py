@@ -28,10 +28,11 @@ def _int(value: Any) -> int:
 
 def anthropic_usage(data: Mapping[str, Any]) -> Usage:
     """Usage of a Messages answer. Every input token counts as a prompt token: the uncached
-    ``input_tokens``, those written to the cache and those read from it (``cached_tokens``)."""
+    ``input_tokens``, those written to the cache and those read from it (``cached_tokens``).
+    An answer without ``usage`` (a proxy that drops it) gives ``reported=False``: unknown, not zero."""
     usage = data.get("usage")
     if not isinstance(usage, dict):
-        return Usage()
+        return Usage(reported=False)
     read = _int(usage.get("cache_read_input_tokens"))
     prompt = _int(usage.get("input_tokens")) + _int(usage.get("cache_creation_input_tokens")) + read
     return Usage(prompt, _int(usage.get("output_tokens")), read)

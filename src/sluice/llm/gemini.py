@@ -31,10 +31,11 @@ def _int(value: Any) -> int:
 
 
 def gemini_usage(data: Mapping[str, Any]) -> Usage:
-    """Usage of a generateContent answer (``usageMetadata``)."""
+    """Usage of a generateContent answer (``usageMetadata``); ``reported=False`` when the answer
+    has none (its tokens are unknown, not zero)."""
     meta = data.get("usageMetadata")
     if not isinstance(meta, dict):
-        return Usage()
+        return Usage(reported=False)
     completion = _int(meta.get("candidatesTokenCount")) + _int(meta.get("thoughtsTokenCount"))
     return Usage(_int(meta.get("promptTokenCount")), completion, _int(meta.get("cachedContentTokenCount")))
 
@@ -145,7 +146,8 @@ class GeminiProvider(HTTPProvider):
 
     async def embed(self, texts: Sequence[str], *, model: str, dimensions: int | None = None) -> Embeddings:
         """Vectors from ``batchEmbedContents``. Gemini reports no usage for embeddings, so the
-        usage is zeros and the cost None (unknown), not a price of zero tokens."""
+        usage is unreported zeros (``reported=False``) and the cost None (unknown), not a price
+        of zero tokens."""
         name = model.removeprefix("models/")
         path = _model_path(name, "batchEmbedContents")
         vectors: list[list[float]] = []
@@ -166,4 +168,6 @@ class GeminiProvider(HTTPProvider):
                 if not isinstance(values, list) or not all(isinstance(x, int | float) for x in values):
                     raise self.unexpected(path, "an embedding's 'values' are not a list of numbers")
                 vectors.append([float(x) for x in values])
-        return Embeddings(vectors=vectors, model=name, provider=self.name, usage=Usage(), cost=None)
+        return Embeddings(
+            vectors=vectors, model=name, provider=self.name, usage=Usage(reported=False), cost=None
+        )

@@ -42,8 +42,17 @@ from sluice.llm.provider import (
 #: LLM answers can take minutes (long outputs, reasoning models); connecting should not.
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 DEFAULT_MAX_CONNECTIONS = 100
-#: Seconds to pause when a 429 says nothing about when to come back.
+#: Seconds to pause when a 429 says nothing usable about when to come back (nothing, or only a
+#: wait of zero or in the past).
 FALLBACK_RETRY_AFTER = 1.0
+#: The shortest pause a 429 gets, whatever it says. A throttled job goes back to waiting
+#: uncounted, so a provider that keeps saying "retry in 0 ms" (or a reset our skewed clock has
+#: already passed) would otherwise have every worker resend at once, forever.
+MIN_RETRY_AFTER = 0.5
+#: The longest pause one 429 gets: the whole queue stops for it, so one absurd header
+#: (``retry-after: 1e12``) must not stop it for days. A limit still exhausted after this many
+#: seconds costs one more cheap 429 and another pause.
+MAX_RETRY_AFTER = 300.0
 #: The longest provider message repeated in ours.
 MAX_MESSAGE_CHARS = 500
 #: Statuses below 500 that are worth retrying as they are: request timeout, conflict, too early.
@@ -64,6 +73,9 @@ _MODEL_WORDS = re.compile(
 #: Gemini's per-minute 429s use too, so only the code counts), Anthropic's 400 on credit.
 _NO_CREDIT_CODES = frozenset({"insufficient_quota"})
 _NO_CREDIT_WORDS = re.compile(r"credit balance is too low", re.IGNORECASE)
+#: Gemini's per-day quotas (a QuotaFailure ``quotaId`` like ``GenerateRequestsPerDayPerProjectPerModel``,
+#: or a message naming "requests per day"): they refill only the next day, so they are rejected too.
+_PER_DAY_WORDS = re.compile(r"per[ _-]?day", re.IGNORECASE)
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|us|µs|ns|m|s)")
 _UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
@@ -139,12 +151,32 @@ def safe_url(url: httpx.URL | str) -> str:
     return f"{u.scheme}://{u.host}{port}{u.path}"
 
 
-def scrub(text: str, secrets: Sequence[Secret]) -> str:
-    """``text`` with every secret replaced, shortened to :data:`MAX_MESSAGE_CHARS`."""
+def redact(text: str, secrets: Sequence[Secret]) -> str:
+    """``text`` with every secret replaced by ``[redacted]``, at its full length."""
     for secret in secrets:
         text = text.replace(secret.reveal(), "[redacted]")
-    text = " ".join(text.split())
+    return text
+
+
+def scrub(text: str, secrets: Sequence[Secret]) -> str:
+    """``text`` with every secret replaced, then shortened to :data:`MAX_MESSAGE_CHARS`.
+
+    In that order: shortening first could cut a key in two, and the half before the cut would
+    no longer match the key and stay in the message.
+    """
+    text = " ".join(redact(text, secrets).split())
     return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def _redact_value(value: Any, secrets: Sequence[Secret]) -> Any:
+    """A JSON value with every secret replaced in its strings (keys of objects too)."""
+    if isinstance(value, str):
+        return redact(value, secrets)
+    if isinstance(value, dict):
+        return {redact(str(k), secrets): _redact_value(v, secrets) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_value(v, secrets) for v in value]
+    return value
 
 
 def make_client(
@@ -264,30 +296,67 @@ def _retry_info_delay(details: Sequence[Any]) -> float | None:
     return None
 
 
-def retry_after(headers: httpx.Headers, details: Sequence[Any] = (), now: datetime | None = None) -> float:
-    """Seconds a 429 asks to wait, from the most specific thing it says.
+def requested_wait(
+    headers: httpx.Headers, details: Sequence[Any] = (), now: datetime | None = None
+) -> float | None:
+    """Seconds a 429 asks to wait, as it says them (unclamped), or None when it says nothing usable.
 
-    In order: ``retry-after-ms``; ``retry-after`` (seconds or an HTTP date); Gemini's
-    ``RetryInfo.retryDelay`` in the error ``details``; the resets of the limits that are
-    exhausted (remaining 0), or of all limits described when none says 0, the longest;
-    else :data:`FALLBACK_RETRY_AFTER`.
+    In order, the first that gives a wait above zero: ``retry-after-ms``; ``retry-after``
+    (seconds or an HTTP date); Gemini's ``RetryInfo.retryDelay`` in the error ``details``; the
+    resets of the limits that are exhausted (remaining 0), or of all limits described when none
+    says 0, the longest. A wait of zero or in the past is skipped: a refusal that says "now"
+    contradicts itself (or the clocks disagree), so it tells nothing about when to come back.
     """
     now = now or datetime.now(UTC)
     ms = parse_duration(headers.get("retry-after-ms"))
-    if ms is not None:
+    if ms is not None and ms > 0:
         return ms / 1000
     text = headers.get("retry-after")
     seconds = parse_duration(text)
     if seconds is None:
         seconds = _seconds_until(text, now)
-    if seconds is None:
-        seconds = _retry_info_delay(details)
-    if seconds is not None:
-        return max(0.0, seconds)
+    if seconds is not None and seconds > 0:
+        return seconds
+    seconds = _retry_info_delay(details)
+    if seconds is not None and seconds > 0:
+        return seconds
     resets = _resets(headers, now)
     exhausted = [reset for remaining, reset in resets if remaining == 0]
     candidates = exhausted or [reset for _, reset in resets]
-    return max(candidates) if candidates else FALLBACK_RETRY_AFTER
+    longest = max(candidates, default=0.0)
+    return longest if longest > 0 else None
+
+
+def clamp_wait(seconds: float | None) -> float:
+    """The pause for a wait a 429 asked for: :data:`FALLBACK_RETRY_AFTER` when it asked for none,
+    else the wait within :data:`MIN_RETRY_AFTER` and :data:`MAX_RETRY_AFTER`."""
+    if seconds is None or not math.isfinite(seconds):
+        return FALLBACK_RETRY_AFTER if seconds is None else MAX_RETRY_AFTER
+    return min(max(seconds, MIN_RETRY_AFTER), MAX_RETRY_AFTER)
+
+
+def retry_after(headers: httpx.Headers, details: Sequence[Any] = (), now: datetime | None = None) -> float:
+    """Seconds to pause for a 429: :func:`requested_wait`, clamped by :func:`clamp_wait` (never
+    less than :data:`MIN_RETRY_AFTER` nor more than :data:`MAX_RETRY_AFTER`; when the answer
+    says nothing usable, :data:`FALLBACK_RETRY_AFTER`)."""
+    return clamp_wait(requested_wait(headers, details, now))
+
+
+def _per_day_quota(body: ErrorBody) -> bool:
+    """Whether a RESOURCE_EXHAUSTED names a per-day quota (in a QuotaFailure, or its message)."""
+    for detail in body.details:
+        if not (
+            isinstance(detail, dict) and str(detail.get("@type", "")).endswith("google.rpc.QuotaFailure")
+        ):
+            continue
+        violations = detail.get("violations")
+        for violation in violations if isinstance(violations, list) else []:
+            if isinstance(violation, dict) and any(
+                _PER_DAY_WORDS.search(str(violation.get(name, "")))
+                for name in ("quotaId", "quotaMetric", "description")
+            ):
+                return True
+    return bool(_PER_DAY_WORDS.search(body.message))
 
 
 # ---- reading errors ----------------------------------------------------------------------------
@@ -311,8 +380,11 @@ def _str(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def read_error(response: httpx.Response) -> ErrorBody:
-    """The provider's own account of a failed request (its JSON error, or the start of its text)."""
+def read_error(response: httpx.Response, secrets: Sequence[Secret] = ()) -> ErrorBody:
+    """The provider's own account of a failed request (its JSON error, or its text), whole and
+    without ``secrets``: a message that is not a string (an object, a list) is rendered as JSON
+    after the secrets are taken out of its strings, since JSON escapes could hide them from a
+    search of the rendered text. Shortening is :func:`scrub`'s, after redaction."""
     try:
         data: Any = response.json()
     except ValueError:
@@ -325,10 +397,14 @@ def read_error(response: httpx.Response) -> ErrorBody:
     elif isinstance(data, dict):
         source = {**data, "message": error} if isinstance(error, str) else data
     else:
-        return ErrorBody(response.text.strip()[:MAX_MESSAGE_CHARS] or response.reason_phrase)
+        return ErrorBody(redact(response.text.strip(), secrets) or response.reason_phrase)
     message = source.get("message", source.get("detail"))  # "detail": FastAPI-based servers
-    if not isinstance(message, str):
-        message = response.reason_phrase if message is None else json.dumps(message)[:MAX_MESSAGE_CHARS]
+    if isinstance(message, str):
+        message = redact(message, secrets)
+    elif message is None:
+        message = response.reason_phrase
+    else:
+        message = json.dumps(_redact_value(message, secrets), ensure_ascii=False)
     raw_details = source.get("details")
     details: list[Any] = raw_details if isinstance(raw_details, list) else []
     reason = next((_str(d.get("reason")) for d in details if isinstance(d, dict) and d.get("reason")), None)
@@ -363,15 +439,16 @@ def error_from_response(
 
     429 and Google's ``RESOURCE_EXHAUSTED``: :class:`ProviderThrottled` after
     :func:`retry_after` (but a quota only money fixes, such as OpenAI's ``insufficient_quota``,
-    is rejected: pausing would loop forever). 5xx (Anthropic's 529 "overloaded" too), 408, 409,
-    425: :class:`ProviderUnavailable`. Other statuses: :class:`ProviderRejected` of kind
-    ``auth`` (401, 403, or a body saying the key is invalid, as Gemini's 400 does), ``model``
-    (404, or a body naming an unknown model), ``unsupported`` (501), else ``request``.
+    or Gemini's exhausted per-day quota, is rejected as ``auth``: pausing would loop all day).
+    5xx (Anthropic's 529 "overloaded" too), 408, 409, 425: :class:`ProviderUnavailable`. Other
+    statuses: :class:`ProviderRejected` of kind ``auth`` (401, 403, or a body saying the key is
+    invalid, as Gemini's 400 does), ``model`` (404, or a body naming an unknown model),
+    ``unsupported`` (501), else ``request``.
     The provider's message is in ours, without ``secrets``; ``key_env`` names where the key
     came from and ``model`` the model asked for, for the advice.
     """
     status = response.status_code
-    body = read_error(response)
+    body = read_error(response, secrets)
     said = scrub(body.message, secrets).rstrip(". ") or response.reason_phrase
     where = f"HTTP {status} from {response.request.method} {safe_url(response.request.url)}"
     limits = rate_limits(response.headers, now)
@@ -383,10 +460,22 @@ def error_from_response(
             status=status,
             kind="auth",
         )
+    if body.kind == "RESOURCE_EXHAUSTED" and _per_day_quota(body):
+        return ProviderRejected(
+            provider,
+            f"{where}: {said}. A per-day quota is used up: it refills only the next day (raise it with "
+            "the provider, e.g. a paid tier, or replay the job then; retrying today cannot help)",
+            status=status,
+            kind="auth",
+        )
     if status == 429 or body.kind == "RESOURCE_EXHAUSTED":
-        wait = retry_after(response.headers, body.details, now)
+        asked = requested_wait(response.headers, body.details, now)
+        wait = clamp_wait(asked)
+        capped = ""
+        if asked is not None and asked > MAX_RETRY_AFTER:
+            capped = f" (it asked for {asked:g} s; one pause is at most {MAX_RETRY_AFTER:g} s)"
         return ProviderThrottled(
-            provider, wait, f"rate limited ({where}): {said}; retry in {round(wait, 2):g} s", limits
+            provider, wait, f"rate limited ({where}): {said}; retry in {round(wait, 2):g} s{capped}", limits
         )
     if (status >= 500 and status != 501) or status in _TRANSIENT_4XX:
         return ProviderUnavailable(
@@ -446,7 +535,10 @@ def error_from_transport(
 
 def cost_of(provider: str, reported_model: str | None, model: str, usage: Usage) -> float | None:
     """What ``usage`` cost: the price of the model the answer names (a dated version, say), else
-    of the model asked for; None when the pricing table knows neither."""
+    of the model asked for; None when the pricing table knows neither, or when the answer
+    reported no usage (its zeros are unknown, and a price of zero would say "free")."""
+    if not usage.reported:
+        return None
     price = pricing.cost(provider, reported_model, usage) if reported_model else None
     return price if price is not None else pricing.cost(provider, model, usage)
 

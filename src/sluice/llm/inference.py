@@ -29,20 +29,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import weakref
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sluice.engine.budgets import Budgets
 from sluice.engine.job import JobSpec
 from sluice.engine.queue import Queue
-from sluice.errors import BudgetNotFound, ConfigurationError, PermanentError, Throttled
+from sluice.errors import BudgetNotFound, ConfigurationError, MissingExtra, PermanentError, Throttled
 from sluice.llm.cache import CachePolicy, SemanticCache, cache_scope
 from sluice.llm.pricing import to_micro_usd, worst_case_cost
-from sluice.llm.provider import Message, Provider, ProviderRejected
-from sluice.llm.tokens import count_prompt_tokens
-from sluice.llm.tokens import reservation as token_reservation
+from sluice.llm.provider import Message, Provider, ProviderRejected, ProviderUnavailable
+from sluice.llm.tokens import count_prompt_tokens, estimate_prompt_tokens
 from sluice.settings import environment
 
 if TYPE_CHECKING:
@@ -120,10 +118,17 @@ def parse_request(payload: Any) -> InferenceRequest:
         _name(payload, "tenant") or DEFAULT_TENANT,
         _name(payload, "budget_usd", "budgetUsd"),
     )
+    if provider is not None:
+        from sluice.llm.providers import KNOWN_PROVIDERS
+
+        provider = provider.lower()
+        if provider not in KNOWN_PROVIDERS and provider != "offline":
+            known = ", ".join(sorted(KNOWN_PROVIDERS))
+            raise InvalidInference(f"payload.provider {provider!r} is not a provider Sluice knows: {known}")
     return InferenceRequest(
         _chat(payload),
         model,
-        provider.lower() if provider is not None else None,
+        provider,
         max_tokens,
         float(temperature) if temperature is not None else None,
         _cache_choice(payload.get("cache", True)),
@@ -208,6 +213,8 @@ def prepare_payload(
     if "tenant" in payload and payload["tenant"] != tenant:
         raise InvalidInference("payload.tenant is set by the service to your key's tenant: leave it out")
     provider, model = configured(env)
+    if request.provider == "offline" and provider != "offline":
+        raise InvalidInference(f"payload.provider 'offline' is not this service's provider ({provider})")
     need = reservation(request, provider=request.provider or provider, model=request.model or model or "")
     return {**payload, "tenant": tenant}, max(tokens, need)
 
@@ -251,7 +258,16 @@ def inference_job(
 
 def reservation(request: InferenceRequest, *, provider: str, model: str) -> int:
     """Tokens to reserve for the job: the prompt's upper bound plus ``max_tokens``."""
-    return token_reservation(request.messages, provider=provider, model=model, max_tokens=request.max_tokens)
+    return _prompt_bound(request.messages, provider, model) + request.max_tokens
+
+
+def _prompt_bound(messages: list[Message], provider: str, model: str) -> int:
+    """The prompt's tokens as an upper bound: exact for OpenAI models when tiktoken is installed
+    (the ``llm`` extra), else the estimate, which is a bound for every tokenizer."""
+    try:
+        return count_prompt_tokens(messages, provider=provider, model=model)
+    except MissingExtra:
+        return estimate_prompt_tokens(messages)
 
 
 class LLMRuntime:
@@ -276,26 +292,42 @@ class LLMRuntime:
         self.redis = redis
         self._providers: dict[str, Provider] = {provider.name: provider, **(providers or {})}
         self._env = env
+        #: closed by :meth:`aclose` after the providers and the cache
+        self.closers: list[Callable[[], Awaitable[Any]]] = []
 
     def provider_named(self, name: str | None) -> Provider:
+        """The configured provider, or another one a payload names, built from the environment
+        with only its own key: the configured provider's address and model are never lent to
+        another (they would carry its key to that address)."""
         if name is None or name == self.provider.name:
             return self.provider
         found = self._providers.get(name)
         if found is None:
-            from sluice.llm.providers import provider_from_env
+            if name == "offline":
+                raise PermanentError(
+                    "payload.provider 'offline' is not this service's provider; leave it out"
+                )
+            from sluice.llm.providers import provider_for
 
-            env = dict(environment() if self._env is None else self._env)
-            env["SLUICE_LLM_PROVIDER"] = name
-            found = self._providers[name] = provider_from_env(env)
+            found = self._providers[name] = provider_for(name, self._env)
         return found
 
-    async def run(self, request: InferenceRequest, *, idempotency_key: str | None = None) -> dict[str, Any]:
+    async def run(
+        self,
+        request: InferenceRequest,
+        *,
+        idempotency_key: str | None = None,
+        before_call: Callable[[Provider, str], Awaitable[None]] | None = None,
+    ) -> dict[str, Any]:
         """Answer one request: through the cache when it may, else from the provider. The
-        result carries ``cacheHit`` (and ``similarity`` on a hit)."""
+        result carries ``cacheHit`` (and ``similarity`` on a hit). ``before_call`` runs right
+        before the provider is called (not for a hit): where a money budget is reserved."""
         provider = self.provider_named(request.provider)
         model = request.model or (self.model if provider is self.provider else _default_model(provider))
 
         async def call() -> dict[str, Any]:
+            if before_call is not None:
+                await before_call(provider, model)
             answer = await provider.complete(
                 request.messages,
                 model=model,
@@ -313,6 +345,7 @@ class LLMRuntime:
                     "completion_tokens": usage.completion_tokens,
                     "cached_tokens": usage.cached_tokens,
                     "total_tokens": usage.total_tokens,
+                    "reported": usage.reported,
                 },
                 "cost": answer.cost,
                 "finishReason": answer.finish_reason,
@@ -341,7 +374,13 @@ class LLMRuntime:
         # made (and so what this hit saved) is kept apart.
         return {
             **response,
-            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "total_tokens": 0},
+            "usage": {
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "cached_tokens": 0,
+                "total_tokens": 0,
+                "reported": True,
+            },
             "cost": 0.0,
             "cacheHit": True,
             "similarity": round(hit.similarity, 4),
@@ -349,10 +388,14 @@ class LLMRuntime:
         }
 
     async def aclose(self) -> None:
+        """Close the providers, the cache, and what the runtime was handed to close (the
+        database and Redis clients :func:`runtime_from_env` made)."""
         for provider in self._providers.values():
             await provider.aclose()
         if self.cache is not None:
             await self.cache.aclose()
+        for close in self.closers:
+            await close()
 
 
 def _policy_fields(policy: CachePolicy) -> dict[str, Any]:
@@ -364,22 +407,57 @@ def _default_model(provider: Provider) -> str:
 
 
 async def handle(runtime: LLMRuntime, job: JobContext) -> dict[str, Any]:
-    """The ``llm-inference`` handler body, given the process's runtime."""
+    """The ``llm-inference`` handler body, given the process's runtime.
+
+    What the budgets are charged, by outcome: the usage the provider reported; 0 for a cache
+    hit; nothing for a call the provider refused (429, a rejected request) or answered with a
+    5xx (it billed nothing); the whole reservation, kept, when the outcome is unknown (a
+    timeout, a broken connection, an answer with no usage): the provider may have billed it.
+    """
     request = parse_request(job.payload)
-    money = await _reserve_money(runtime, job, request) if request.budget_usd else None
+    money: list[tuple[Budgets, str, int]] = []
+
+    async def reserve(provider: Provider, model: str) -> None:
+        if request.budget_usd is not None:
+            money.append(await _reserve_money(runtime, job, request, provider, model))
+
     try:
-        result = await runtime.run(request, idempotency_key=job.idempotency_key)
-    except (Throttled, ProviderRejected):
-        if money is not None:  # the provider refused the call: nothing was billed
-            await money[0].refund(money[1])
+        result = await runtime.run(request, idempotency_key=job.idempotency_key, before_call=reserve)
+    except Throttled:
+        await _refund(money)  # the engine refunds the tokens of a throttled attempt itself
         raise
-    # Any other failure leaves the money reservation held: its hold lapses as an unknown outcome,
-    # charged (the provider may have billed a call that timed out), as token reservations do.
+    except ProviderRejected:
+        job.record_usage(0)
+        await _refund(money)
+        raise
+    except ProviderUnavailable as exc:
+        if exc.status is not None:  # answered 5xx: nothing billed
+            job.record_usage(0)
+            await _refund(money)
+        raise  # no answer: unknown, the reservations stay charged (money lapses as unknown)
+    except ConfigurationError as exc:  # a provider named but not configured here: retrying cannot help
+        job.record_usage(0)
+        raise PermanentError(str(exc)) from None
     usage = result.get("usage") or {}
-    job.record_usage(0 if result["cacheHit"] else int(usage.get("total_tokens", 0)))
-    if money is not None:
-        await money[0].commit(money[1], to_micro_usd(result.get("cost") or 0.0))
+    reported = result["cacheHit"] or usage.get("reported", True)
+    if reported:
+        job.record_usage(0 if result["cacheHit"] else int(usage.get("total_tokens", 0)))
+    for budgets, reservation_id, reserved in money:
+        cost = result.get("cost")
+        spent = to_micro_usd(cost) if reported and cost is not None else reserved
+        try:
+            await budgets.commit(reservation_id, spent)
+        except Exception:  # the answer stands; the hold lapses as an unknown outcome, charged
+            log.warning("llm-inference: settling the money budget failed", exc_info=True)
     return result
+
+
+async def _refund(money: list[tuple[Budgets, str, int]]) -> None:
+    for budgets, reservation_id, _ in money:
+        try:
+            await budgets.refund(reservation_id)
+        except Exception:
+            log.warning("llm-inference: refunding the money budget failed", exc_info=True)
 
 
 #: How long a money reservation is held before an unsettled one counts as an unknown outcome.
@@ -387,17 +465,15 @@ MONEY_HOLD_SECONDS = 900.0
 
 
 async def _reserve_money(
-    runtime: LLMRuntime, job: JobContext, request: InferenceRequest
-) -> tuple[Budgets, str]:
+    runtime: LLMRuntime, job: JobContext, request: InferenceRequest, provider: Provider, model: str
+) -> tuple[Budgets, str, int]:
     """Reserve the call's worst case, in micro-dollars, from ``budget_usd`` (and every budget above
     it), before the provider is called: a money budget, like a token budget, stops admitting
     before its limit is passed. The price is the model's list price (``SLUICE_PRICING_FILE``)."""
     assert request.budget_usd is not None
     if runtime.redis is None:
         raise PermanentError("payload.budget_usd needs the worker's Redis (SLUICE_REDIS_URL) to reserve from")
-    provider = runtime.provider_named(request.provider)
-    model = request.model or (runtime.model if provider is runtime.provider else _default_model(provider))
-    prompt = count_prompt_tokens(request.messages, provider=provider.name, model=model)
+    prompt = _prompt_bound(request.messages, provider.name, model)
     worst = worst_case_cost(provider.name, model, prompt, request.max_tokens)
     if worst is None:
         raise PermanentError(
@@ -417,11 +493,12 @@ async def _reserve_money(
             f"budget {answer.refused_by or request.budget_usd!r} cannot admit this call's worst case, "
             f"${worst:.6f} ({to_micro_usd(worst):,} micro-dollars): credit it or raise its limit"
         )
-    return budgets, reservation_id
+    return budgets, reservation_id, to_micro_usd(worst)
 
 
-#: per event loop: a runtime's connections belong to the loop that made them
-_runtimes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LLMRuntime] = weakref.WeakKeyDictionary()
+#: per event loop: a runtime's connections belong to the loop that made them (entries of closed
+#: loops are dropped when the next runtime is built)
+_runtimes: dict[asyncio.AbstractEventLoop, LLMRuntime] = {}
 
 
 async def runtime_from_env(env: Mapping[str, str] | None = None) -> LLMRuntime:
@@ -433,6 +510,8 @@ async def runtime_from_env(env: Mapping[str, str] | None = None) -> LLMRuntime:
     found = _runtimes.get(loop)
     if found is not None:
         return found
+    for stale in [old for old in _runtimes if old.is_closed()]:
+        del _runtimes[stale]
     env = environment() if env is None else env
     provider: Provider
     if env.get("SLUICE_LLM_PROVIDER") or env.get("AI_PROVIDER"):
@@ -444,28 +523,29 @@ async def runtime_from_env(env: Mapping[str, str] | None = None) -> LLMRuntime:
         from sluice.llm.offline import OfflineProvider
 
         provider, model = OfflineProvider(), env.get("SLUICE_LLM_MODEL") or env.get("AI_MODEL") or "offline"
+    from redis.asyncio import Redis
+
+    redis_url = env.get("SLUICE_REDIS_URL")
+    redis = Redis.from_url(redis_url) if redis_url else None
     cache = None
     database_url = env.get("SLUICE_DATABASE_URL")
+    db = None
     if database_url and env.get("SLUICE_CACHE", "on").lower() not in ("off", "0", "false", "no"):
-        from redis.asyncio import Redis
-
         from sluice.store.database import Database
 
-        redis_url = env.get("SLUICE_REDIS_URL")
+        db = Database(database_url, pool_size=4)
         cache = SemanticCache(
-            Database(database_url, pool_size=4),
+            db,
             embedder_from_env(provider, env),
             policy=CachePolicy.from_env(env),
-            redis=Redis.from_url(redis_url) if redis_url else None,
+            redis=redis,
             prefix=env.get("SLUICE_PREFIX", "sluice"),
         )
-    redis_url = env.get("SLUICE_REDIS_URL")
-    redis = None
-    if redis_url:
-        from redis.asyncio import Redis
-
-        redis = Redis.from_url(redis_url)
     runtime = _runtimes[loop] = LLMRuntime(provider, model=model, cache=cache, env=env, redis=redis)
+    if db is not None:
+        runtime.closers.append(db.close)
+    if redis is not None:
+        runtime.closers.append(redis.aclose)
     return runtime
 
 

@@ -8,6 +8,7 @@ is not needed for two calls, and this way every compatible server is served by o
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,11 @@ DEFAULT_KEY_ENV = "OPENAI_API_KEY"
 REQUEST_ID_HEADER = "X-Client-Request-Id"
 #: Inputs per embeddings request (OpenAI's limit); more are sent in several requests.
 MAX_EMBEDDING_INPUTS = 2048
+#: OpenAI's models that refuse ``max_tokens`` ("Unsupported parameter") and want
+#: ``max_completion_tokens``: the reasoning o-series (o1, o3, o4-mini, dated or not) and the gpt-5
+#: family (gpt-5, gpt-5-mini, gpt-5.1, ...); a fine-tune's ``ft:`` prefix is looked through.
+_COMPLETION_TOKENS_MODELS = re.compile(r"(?:ft:)?(?:o[1-9][0-9]*|gpt-5)(?:[-.:].*)?", re.IGNORECASE)
+_MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 class _DefaultKeyEnv(str):
@@ -54,10 +60,12 @@ def _int(value: Any) -> int:
 
 def openai_usage(data: Mapping[str, Any]) -> Usage:
     """Usage of an OpenAI answer: ``prompt_tokens`` (cached ones included, as
-    ``prompt_tokens_details.cached_tokens``) and ``completion_tokens`` (reasoning included)."""
+    ``prompt_tokens_details.cached_tokens``) and ``completion_tokens`` (reasoning included).
+    An answer without ``usage`` (absent or null, as some proxies and servers send) gives
+    ``reported=False``: its tokens are unknown, not zero."""
     usage = data.get("usage")
     if not isinstance(usage, dict):
-        return Usage()
+        return Usage(reported=False)
     details = usage.get("prompt_tokens_details")
     cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
     return Usage(_int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached)
@@ -73,8 +81,12 @@ class OpenAIProvider(HTTPProvider):
     default, ``OPENAI_API_KEY`` goes to api.openai.com only, so that an OpenAI key never
     reaches another server by accident: name the variable to send one elsewhere. ``name`` is the
     provider's name in errors and for pricing (``ollama``, ``vllm``, ...).
-    ``max_tokens_field``: OpenAI's reasoning models (o-series, gpt-5) refuse ``max_tokens``
-    and want ``max_completion_tokens``; every compatible server accepts ``max_tokens``.
+    ``max_tokens_field``: the request field that carries the output limit. OpenAI's reasoning
+    models (o-series, gpt-5) refuse ``max_tokens`` and want ``max_completion_tokens``, while
+    compatible servers (Ollama, vLLM, ...) and OpenAI's other models take ``max_tokens``; left
+    at None, :meth:`max_tokens_field_for` chooses per call from the model's name when this
+    provider is OpenAI's (``name="openai"``, whatever its base URL: a proxy in front of
+    OpenAI takes the same fields), and ``max_tokens`` for any other name.
     """
 
     def __init__(
@@ -87,7 +99,7 @@ class OpenAIProvider(HTTPProvider):
         default_model: str | None = None,
         timeout: float | httpx.Timeout | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
-        max_tokens_field: str = "max_tokens",
+        max_tokens_field: str | None = None,
         key_hint: str = "",
     ) -> None:
         base_url = check_base_url(name, base_url)
@@ -114,9 +126,20 @@ class OpenAIProvider(HTTPProvider):
             timeout=timeout,
             max_connections=max_connections,
         )
-        if max_tokens_field not in ("max_tokens", "max_completion_tokens"):
-            raise ValueError("max_tokens_field must be 'max_tokens' or 'max_completion_tokens'")
+        if max_tokens_field is not None and max_tokens_field not in _MAX_TOKENS_FIELDS:
+            raise ValueError("max_tokens_field must be 'max_tokens', 'max_completion_tokens' or None")
         self._max_tokens_field = max_tokens_field
+
+    def max_tokens_field_for(self, model: str) -> str:
+        """The field the output limit of a request for ``model`` goes in: the one given to the
+        constructor, else ``max_completion_tokens`` for OpenAI's o-series and gpt-5 models at
+        OpenAI (they refuse ``max_tokens``), else ``max_tokens`` (what every compatible server
+        and OpenAI's other models take)."""
+        if self._max_tokens_field is not None:
+            return self._max_tokens_field
+        if self.name == "openai" and _COMPLETION_TOKENS_MODELS.fullmatch(model.strip()):
+            return "max_completion_tokens"
+        return "max_tokens"
 
     async def complete(
         self,
@@ -130,7 +153,7 @@ class OpenAIProvider(HTTPProvider):
         body: dict[str, Any] = {
             "model": model,
             "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
-            self._max_tokens_field: max_tokens,
+            self.max_tokens_field_for(model): max_tokens,
         }
         if temperature is not None:
             body["temperature"] = temperature
@@ -158,6 +181,7 @@ class OpenAIProvider(HTTPProvider):
     async def embed(self, texts: Sequence[str], *, model: str, dimensions: int | None = None) -> Embeddings:
         vectors: list[list[float]] = []
         prompt_tokens = 0
+        usage_reported = True  # by every batch's answer
         reported: str | None = None
         path = "/embeddings"
         for start in range(0, len(texts), MAX_EMBEDDING_INPUTS):
@@ -175,9 +199,11 @@ class OpenAIProvider(HTTPProvider):
                 if not isinstance(vector, list) or not all(isinstance(x, int | float) for x in vector):
                     raise self.unexpected(path, "an embedding is not a list of numbers")
                 vectors.append([float(x) for x in vector])
-            prompt_tokens += openai_usage(data).prompt_tokens
+            batch_usage = openai_usage(data)
+            prompt_tokens += batch_usage.prompt_tokens
+            usage_reported = usage_reported and batch_usage.reported
             reported = data.get("model") if isinstance(data.get("model"), str) else reported
-        usage = Usage(prompt_tokens=prompt_tokens)
+        usage = Usage(prompt_tokens=prompt_tokens, reported=usage_reported)
         return Embeddings(
             vectors=vectors,
             model=reported or model,

@@ -42,11 +42,17 @@ class Message(TypedDict):
 @dataclass(frozen=True, slots=True)
 class Usage:
     """Tokens an answer used, as the provider reported them. ``cached_tokens`` is the part of
-    ``prompt_tokens`` served from the provider's prompt cache (billed at the cached price)."""
+    ``prompt_tokens`` served from the provider's prompt cache (billed at the cached price).
+
+    ``reported`` is False when the answer carried no usage at all (a proxy or server that
+    leaves it out): the zeros are then unknown, not free, and whoever charges a budget keeps
+    the reservation rather than refund it.
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reported: bool = True
 
     @property
     def total_tokens(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from sluice.engine.queue import Queue
+from sluice.errors import RedisUnavailable
 from sluice.llm import tokens
 from sluice.llm.cache import SemanticCache
 from sluice.llm.embedder import LocalEmbedder
@@ -46,6 +48,8 @@ from sluice.store.ledger import BudgetLedger
 from sluice.store.patterns import PatternCollector
 from sluice.store.reconcile import Reconciler
 from sluice.store.sink import TransitionSink
+
+log = logging.getLogger("sluice.service")
 
 VERSION = "0.1.0"
 
@@ -88,7 +92,13 @@ def create_app(
                 queue.redis, settings.prefix, rate=settings.rate_limit, burst=settings.rate_burst
             )
             ledger = BudgetLedger(queue, db, interval=settings.budget_copy_interval)
-            intake = Intake(queue, store, ledger)
+            intake = Intake(
+                queue,
+                store,
+                ledger,
+                analysis_budget=settings.analysis_budget,
+                token_rate_limit=settings.llm_tpm,
+            )
             app.state.services = Services(
                 settings, auth, queue, db, store, KeyStore(db), gauge, limiter, ledger, intake
             )
@@ -206,9 +216,9 @@ async def _stop(tasks: list[asyncio.Task[None]], services: Services | None) -> N
 
 
 async def _preload_tokenizer(settings: ServiceSettings) -> None:
-    name = tokens.encoding_name(settings.llm_provider or "offline", settings.llm_model or "")
-    if name is not None:
-        with contextlib.suppress(Exception):  # counted at the first submission instead
+    with contextlib.suppress(Exception):  # counted at the first submission instead (or estimated)
+        name = tokens.encoding_name(settings.llm_provider or "offline", settings.llm_model or "")
+        if name is not None:
             await asyncio.to_thread(tokens.preload, name)
 
 
@@ -217,7 +227,10 @@ async def _provider_limits(queue: Queue, settings: ServiceSettings) -> None:
     every machine, counts against the same windows (a per-process limiter multiplies the
     limit by the number of processes). Set at each start, so a Redis that lost its data gets
     them back with the service; the token gate counts each job's reservation, then its usage."""
-    if settings.llm_rpm is not None:
-        await queue.set_rate_limit(settings.llm_rpm, per=60.0)
-    if settings.llm_tpm is not None:
-        await queue.set_token_rate_limit(settings.llm_tpm, per=60.0)
+    try:
+        if settings.llm_rpm is not None:
+            await queue.set_rate_limit(settings.llm_rpm, per=60.0)
+        if settings.llm_tpm is not None:
+            await queue.set_token_rate_limit(settings.llm_tpm, per=60.0)
+    except RedisUnavailable:  # the service starts without Redis (submissions are stored)
+        log.warning("service: Redis is down; the provider's limits were not set on the queue")

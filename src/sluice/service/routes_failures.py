@@ -211,8 +211,8 @@ async def pattern_jobs(
 ) -> PatternJobsOut:
     """The jobs of a pattern, latest death first (each as ``GET /v1/jobs/{id}`` has it, without
     its attempts)."""
-    await _pattern(svc, who.tenant, pattern_id)
-    page = await PatternStore(svc.db).jobs(who.tenant, pattern_id, limit=limit, cursor=cursor)
+    pattern = await _pattern(svc, who.tenant, pattern_id)
+    page = await PatternStore(svc.db).jobs(who.tenant, pattern.queue, pattern_id, limit=limit, cursor=cursor)
     return PatternJobsOut(
         pattern_id=pattern_id, jobs=[job_out(j) for j, _ in page.jobs], next_cursor=page.next_cursor
     )
@@ -249,9 +249,10 @@ async def analyze_pattern(
             patterns,
             svc.queue,
             pattern,
-            svc.intake.submit,
+            svc.intake.submit_analysis,
             budget=svc.settings.analysis_budget,
             budget_tokens=svc.settings.analysis_budget_tokens,
+            provider=svc.settings.llm_provider,
             model=svc.settings.llm_model,
             refresh=refresh,
         )

@@ -5,6 +5,13 @@ refuse is never stored); the store's row is written next, so the job exists
 once the API answers 201; the engine gets it last, under the idempotency key
 ``job:<uuid>``, so enqueueing it again (the reconciler, after a crash between
 the two writes or after Redis lost its data) never makes two.
+
+Some jobs are the service's own: the LLM failure analyses
+(``llm/analysis.py``) run as ``failure-analysis`` jobs under the analysis
+budget, asked for by an admin (``POST /v1/failures/patterns/{id}/analysis``).
+A caller's submission (every route's: ``Intake.submit``) may not make one, name
+that budget, or take the idempotency keys those jobs use; the service makes
+them through ``Intake.submit_analysis``, which no route calls.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from sluice.engine.backoff import Backoff
 from sluice.engine.codec import encode_limited
 from sluice.engine.job import JobSpec
 from sluice.errors import BudgetNotFound, InvalidJobError, RedisUnavailable, SluiceError, StoreUnavailable
+from sluice.llm.analysis import DEFAULT_BUDGET as ANALYSIS_BUDGET
 from sluice.store.jobs import NewJob, StoredJob
+from sluice.store.patterns import ANALYSIS_JOB_TYPE
 from sluice.store.sink import engine_key
 
 if TYPE_CHECKING:
@@ -68,6 +77,13 @@ def llm_job(new: NewJob) -> NewJob:
     return dataclasses.replace(new, payload=payload, tokens=tokens)
 
 
+#: The idempotency keys of the service's analysis jobs start so (``llm/analysis.py``'s
+#: ``idempotency_key``): a caller's job holding one would stand in for the next analysis.
+ANALYSIS_KEY_PREFIX = f"{ANALYSIS_JOB_TYPE}:"
+#: The payload fields an ``llm-inference`` job names a money budget with.
+_MONEY_BUDGET_FIELDS = ("budget_usd", "budgetUsd")
+
+
 def backoff_json(backoff: Backoff) -> list[Any]:
     return [backoff.kind, backoff.delay, backoff.max_delay, backoff.jitter]
 
@@ -99,12 +115,25 @@ class Intake:
     """
 
     def __init__(
-        self, queue: Queue, store: JobStore, ledger: BudgetLedger | None = None, *, max_batch: int = 500
+        self,
+        queue: Queue,
+        store: JobStore,
+        ledger: BudgetLedger | None = None,
+        *,
+        max_batch: int = 500,
+        analysis_budget: str = ANALYSIS_BUDGET,
+        token_rate_limit: int | None = None,
     ) -> None:
         self.queue = queue
         self.store = store
         self.ledger = ledger
         self.max_batch = max_batch
+        #: budgets only the service's own jobs spend from: the analysis budget
+        #: (``SLUICE_ANALYSIS_BUDGET``), and any budget ``submit_analysis`` was given
+        self.service_budgets: set[str] = {analysis_budget}
+        #: the provider's tokens per minute (``SLUICE_LLM_TPM``): a job reserving more can never
+        #: be dispatched, so it is refused here rather than accepted and rejected later
+        self.token_rate_limit = token_rate_limit
         self._pending: list[_Pending] = []
         self._writer: asyncio.Task[None] | None = None
         self._conn: Any = None
@@ -114,14 +143,62 @@ class Intake:
         self.jobs = 0
 
     async def submit(self, new: NewJob) -> tuple[StoredJob, bool]:
-        """Store then enqueue one job; returns it and whether this call created it.
+        """Store then enqueue a caller's job; returns it and whether this call created it.
 
         A job whose budget does not exist is refused before anything is written;
-        one that Redis lost but the store has a copy of is rebuilt first.
+        one that Redis lost but the store has a copy of is rebuilt first. So is a job
+        that is the service's to make (:meth:`refuse_service_jobs`).
         """
+        self.refuse_service_jobs(new)
+        return await self._submit(new)
+
+    async def submit_analysis(self, new: NewJob) -> tuple[StoredJob, bool]:
+        """Store then enqueue one of the service's own ``failure-analysis`` jobs
+        (``llm.analysis.request_analysis``, for ``POST /v1/failures/patterns/{id}/analysis``
+        and ``sluice failures analyze``); no route calls it. Its budget is the service's
+        from then on: callers' jobs naming it are refused."""
+        if new.type != ANALYSIS_JOB_TYPE or new.budget is None:
+            raise InvalidJobError(
+                f"submit_analysis takes {ANALYSIS_JOB_TYPE} jobs under a budget, got a {new.type!r} job "
+                f"under {new.budget!r}"
+            )
+        self.service_budgets.add(new.budget)
+        return await self._submit(new)
+
+    def refuse_service_jobs(self, new: NewJob) -> None:
+        """Refuse (InvalidJobError: a 422) what only the service may submit: a
+        ``failure-analysis`` job, a job spending from the analysis budget (as its budget, or as
+        an ``llm-inference`` job's ``payload.budget_usd``), and an idempotency key of the
+        analysis jobs' (one held by a caller's job would stand in for the next analysis)."""
+        if new.type == ANALYSIS_JOB_TYPE:
+            raise InvalidJobError(
+                f"{ANALYSIS_JOB_TYPE} jobs are made by POST /v1/failures/patterns/{{id}}/analysis"
+            )
+        named = [new.budget]
+        if new.type == LLM_JOB and isinstance(new.payload, dict):
+            named += [new.payload.get(f) for f in _MONEY_BUDGET_FIELDS]
+        for budget in named:
+            if isinstance(budget, str) and budget in self.service_budgets:
+                raise InvalidJobError(
+                    f"budget {budget!r} is the failure analyses' (SLUICE_ANALYSIS_BUDGET); only the "
+                    "service's analysis jobs spend from it: name a budget of your own"
+                )
+        key = new.idempotency_key
+        if key is not None and key.startswith(ANALYSIS_KEY_PREFIX):
+            raise InvalidJobError(
+                f"idempotency keys starting with {ANALYSIS_KEY_PREFIX!r} are the service's (its analysis "
+                "jobs'): choose another"
+            )
+
+    async def _submit(self, new: NewJob) -> tuple[StoredJob, bool]:
         job_id = uuid.uuid4()
         if new.type == LLM_JOB:
             new = llm_job(new)
+        if self.token_rate_limit is not None and new.tokens > self.token_rate_limit:
+            raise InvalidJobError(
+                f"this job reserves {new.tokens:,} tokens (its prompt and max_tokens), more than the "
+                f"provider's {self.token_rate_limit:,} tokens per minute: it could never run; send less"
+            )
         spec = await self.check(new, engine_key(job_id))
         done: asyncio.Future[tuple[StoredJob, bool]] = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(new, job_id, spec, done))

@@ -16,9 +16,13 @@ reconciler's, in the process whose sink leads. It pages through the jobs
 that ended badly by ``(updated_at, id)`` (the partial index
 ``ix_jobs_failed``), 500 a page, one transaction per page, and only through
 jobs updated more than ``settle`` seconds ago, so that a sink batch that
-committed late (its ``updated_at`` is taken before its INSERT) is not passed
-by. What was counted is remembered per job in ``failure_pattern_jobs``,
-with the lease (highest attempt token) it was counted at:
+committed late (its ``updated_at`` is taken before it connects, so it may
+commit seconds after that time) is not passed by. A batch that commits later
+still lands behind the pass's cursor: each pass therefore first looks back
+``overlap`` seconds behind it, for the jobs there that are not counted yet
+(only those: a job already counted at its lease is left out by the query). What
+was counted is remembered per job in ``failure_pattern_jobs``, with the lease
+(highest attempt token) it was counted at:
 
 * a job is counted once, however often it is paged through (passes,
   restarts, two collectors at once: the membership row is written first,
@@ -58,7 +62,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
-from sqlalchemy import select, text, tuple_, update
+from sqlalchemy import Select, select, text, tuple_, update
 
 from sluice.errors import InvalidJobError
 from sluice.store.jobs import StoredJob
@@ -508,6 +512,25 @@ def _no_nul(*values: str | None) -> bool:
     return not any(v is not None and "\x00" in v for v in values)
 
 
+def pattern_jobs_query(
+    tenant: str, queue: str, pattern_id: str, *, limit: int, after: tuple[datetime, uuid.UUID] | None = None
+) -> Select[JobRow, datetime]:
+    """A page of a pattern's jobs, latest death first, after ``after`` (a ``(dead_at,
+    job_id)``). Every column of the pattern's key is a condition, so that
+    ``ix_failure_pattern_jobs_pattern`` (tenant, queue, pattern, dead_at DESC, job_id DESC)
+    gives the rows in order and the page stops after ``limit`` of them: no sort of all the
+    tenant's memberships per page, however many there are."""
+    m = FailurePatternJobRow
+    query = (
+        select(JobRow, m.dead_at)
+        .join(m, m.job_id == JobRow.id)
+        .where(m.tenant == tenant, m.queue == queue, m.pattern == pattern_id)
+    )
+    if after is not None:
+        query = query.where(tuple_(m.dead_at, m.job_id) < tuple_(after[0], after[1]))
+    return query.order_by(m.dead_at.desc(), m.job_id.desc()).limit(limit)
+
+
 class PatternStore:
     """Patterns as the API and the command line read them (always within one tenant)."""
 
@@ -566,21 +589,15 @@ class PatternStore:
         return found
 
     async def jobs(
-        self, tenant: str, pattern_id: str, *, limit: int = 50, cursor: str | None = None
+        self, tenant: str, queue: str, pattern_id: str, *, limit: int = 50, cursor: str | None = None
     ) -> PatternJobsPage:
-        """The jobs last counted into a pattern, latest death first; ``cursor`` goes on."""
-        if not _no_nul(tenant, pattern_id):
+        """The jobs last counted into a pattern (its key: tenant, queue, id), latest death
+        first; ``cursor`` goes on."""
+        if not _no_nul(tenant, queue, pattern_id):
             return PatternJobsPage([], None)
-        m = FailurePatternJobRow
-        query = (
-            select(JobRow, m.dead_at)
-            .join(m, m.job_id == JobRow.id)
-            .where(m.tenant == tenant, m.pattern == pattern_id)
+        query = pattern_jobs_query(
+            tenant, queue, pattern_id, limit=limit + 1, after=_decode_cursor(cursor) if cursor else None
         )
-        if cursor is not None:
-            at, last = _decode_cursor(cursor)
-            query = query.where(tuple_(m.dead_at, m.job_id) < tuple_(at, last))
-        query = query.order_by(m.dead_at.desc(), m.job_id.desc()).limit(limit + 1)
         async with self.db.sessions() as session:
             rows = (await session.execute(query)).all()
         found = [(StoredJob.of(row), at) for row, at in rows[:limit]]
@@ -662,6 +679,8 @@ class CollectPass:
     patterns: int = 0
     #: analyses settled
     settled: int = 0
+    #: of ``counted``: deaths found behind the cursor (a batch that committed late)
+    late: int = 0
 
 
 _PAGE = """
@@ -672,6 +691,21 @@ WHERE j.status IN ('DEAD_LETTER', 'REJECTED', 'EXHAUSTED')
   AND (j.updated_at, j.id) > ($1, $2) AND j.updated_at < $3
 ORDER BY j.updated_at, j.id
 LIMIT $4
+"""
+# Behind the cursor: the jobs that ended badly in the overlap window and are not counted at their
+# lease yet (a membership at that token or higher is a death counted). Counted rows are read by
+# the index and left out, so a window of thousands of deaths costs a scan and returns the few.
+_LOOK_BACK = """
+SELECT j.id, j.tenant, j.queue, j.type, j.status, j.error, j.updated_at, t.token
+FROM jobs j
+CROSS JOIN LATERAL (
+    SELECT COALESCE(max(a.token), 0) AS token FROM job_attempts a WHERE a.job_id = j.id
+) t
+WHERE j.status IN ('DEAD_LETTER', 'REJECTED', 'EXHAUSTED')
+  AND (j.updated_at, j.id) > ($1, $2) AND (j.updated_at, j.id) <= ($3, $4)
+  AND NOT EXISTS (SELECT 1 FROM failure_pattern_jobs m WHERE m.job_id = j.id AND m.token >= t.token)
+ORDER BY j.updated_at, j.id
+LIMIT $5
 """
 # Written first: only the rows it writes are counted, so a job read twice (passes, restarts,
 # two collectors at once) counts once, and again only after a new lease (redriven, died again).
@@ -719,9 +753,11 @@ class _Group:
 class PatternCollector:
     """``run()`` every ``interval`` seconds until stopped; ``collect()`` once (tests, the CLI).
 
-    A pass reads at most ``pages`` pages of ``page`` jobs (one transaction each) and settles
-    the analyses that finished; a backlog (the first pass over an old dead-letter queue) is
-    worked off over several passes.
+    A pass first looks ``overlap`` seconds behind its cursor for deaths not counted yet (a sink
+    batch commits after the ``updated_at`` it stamps: one that took longer than ``settle``
+    lands behind a cursor that has moved on), then reads at most ``pages`` pages of ``page``
+    jobs (one transaction each) and settles the analyses that finished; a backlog (the first
+    pass over an old dead-letter queue) is worked off over several passes.
     """
 
     def __init__(
@@ -733,6 +769,7 @@ class PatternCollector:
         pages: int = 4,
         page: int = PAGE,
         margin: float = 300.0,
+        overlap: float = 300.0,
         lead: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.db = db
@@ -744,6 +781,9 @@ class PatternCollector:
         #: how far before the last counted death a collector that starts or takes the lead goes
         #: back (another process's clock wrote those times)
         self.margin = margin
+        #: how far behind its cursor each pass looks for deaths not counted yet (a sink batch
+        #: that committed this much after the time it stamped is still counted)
+        self.overlap = overlap
         #: passes run only while this returns True (the process whose sink leads); None: always
         self.lead = lead
         self.patterns = PatternStore(db)
@@ -757,10 +797,11 @@ class PatternCollector:
                     done = await self.collect()
                     if done.counted:
                         log.info(
-                            "failure patterns: %d deaths counted into %d patterns",
+                            "failure patterns: %d deaths counted into %d patterns (%d committed late)",
                             done.counted,
                             done.patterns,
-                            extra={"counted": done.counted, "patterns": done.patterns},
+                            done.late,
+                            extra={"counted": done.counted, "patterns": done.patterns, "late": done.late},
                         )
                 else:
                     self._resumed = False  # another process leads: start again from the table
@@ -781,6 +822,8 @@ class PatternCollector:
             self._cursor = await self._resume_point()
             self._resumed = True
         before = (now or datetime.now(UTC)) - timedelta(seconds=self.settle)
+        if self._cursor is not None and self.overlap > 0:
+            await self._look_back(done, self._cursor)
         for _ in range(self.pages):
             read = await self._page(done, before)
             if read < self.page:
@@ -795,16 +838,35 @@ class PatternCollector:
             return None
         return (last - timedelta(seconds=self.margin), uuid.UUID(int=0))
 
+    async def _look_back(self, done: CollectPass, cursor: tuple[datetime, uuid.UUID]) -> None:
+        """The deaths of the ``overlap`` seconds up to ``cursor`` that are not counted yet, up
+        to ``pages`` pages of them (the cursor stays where it is)."""
+        after = (cursor[0] - timedelta(seconds=self.overlap), uuid.UUID(int=0))
+        for _ in range(self.pages):
+            counted = done.counted
+            rows = await self._count(done, _LOOK_BACK, after[0], after[1], cursor[0], cursor[1], self.page)
+            done.late += done.counted - counted
+            if len(rows) < self.page:
+                return
+            after = (rows[-1]["updated_at"], rows[-1]["id"])
+
     async def _page(self, done: CollectPass, before: datetime) -> int:
         """One page in one transaction; returns how many jobs it read."""
         after = self._cursor or (datetime(1970, 1, 1, tzinfo=UTC), uuid.UUID(int=0))
+        rows = await self._count(done, _PAGE, after[0], after[1], before, self.page)
+        if rows:
+            self._cursor = (rows[-1]["updated_at"], rows[-1]["id"])
+        return len(rows)
+
+    async def _count(self, done: CollectPass, query: str, *args: Any) -> list[Any]:
+        """The jobs ``query`` reads, counted into their patterns, in one transaction; returns them."""
         async with self.db.engine.connect() as conn:
             raw = (await conn.get_raw_connection()).driver_connection
             assert raw is not None
             async with raw.transaction():
-                rows = await raw.fetch(_PAGE, after[0], after[1], before, self.page)
+                rows: list[Any] = await raw.fetch(query, *args)
                 if not rows:
-                    return 0
+                    return rows
                 done.looked += len(rows)
                 prints = {
                     r["id"]: fingerprint(r["error"] or "", r["type"], queue=r["queue"], status=r["status"])
@@ -828,8 +890,7 @@ class PatternCollector:
                     await raw.execute(_PATTERNS, *_columns(groups))
                 done.counted += len(counted)
                 done.patterns += len(groups)
-        self._cursor = (rows[-1]["updated_at"], rows[-1]["id"])
-        return len(rows)
+        return rows
 
     @staticmethod
     def _groups(rows: list[Any], prints: dict[uuid.UUID, Fingerprint]) -> list[_Group]:

@@ -177,8 +177,6 @@ class CacheEntryRow(Base):
     response: Mapped[Any] = mapped_column(JSONB, nullable=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
-    hits: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
-    last_hit_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         # The exact path, and a partition's rows for a scan when it is small.

@@ -143,9 +143,9 @@ class AnthropicServer(SimulatedServer):
                 headers[f"anthropic-ratelimit-{name}-reset"] = rfc3339_in(reset)
         return headers
 
-    async def _accept(self, request: Request) -> Any:
+    async def _accept(self, request: Request) -> tuple[Any, Fault | None]:
         body, fault = await self.intake(request)
-        if fault is not None:
+        if fault is not None and fault.refuses:
             raise Refusal(self._fault_answer(fault))
         problem = self.key_problem(request.headers.get("x-api-key"))
         if problem is not None:
@@ -155,11 +155,11 @@ class AnthropicServer(SimulatedServer):
             raise Refusal(
                 _anthropic_error(400, "invalid_request_error", "anthropic-version: header is required")
             )
-        return body
+        return body, fault
 
     async def _messages(self, request: Request) -> Response:
         try:
-            body = await self._accept(request)
+            body, fault = await self._accept(request)
             try:
                 model, system, turns, max_tokens = _parse_anthropic(body)
             except ValueError as exc:
@@ -197,6 +197,8 @@ class AnthropicServer(SimulatedServer):
                 "cache_read_input_tokens": cached,
             },
         }
+        if fault is not None:
+            fault.shape_usage(reply, "usage")
         return JSONResponse(reply, headers=self._limit_headers(admission))
 
     def _too_many(self, admission: Admission) -> Response:
@@ -210,6 +212,9 @@ class AnthropicServer(SimulatedServer):
 
     def _fault_answer(self, fault: Fault) -> Response:
         assert fault.status is not None
+        raw = fault.raw_answer()
+        if raw is not None:
+            return raw
         kind, message = _ANTHROPIC_ERRORS.get(
             fault.status,
             ("api_error" if fault.status >= 500 else "invalid_request_error", "A scripted fault."),
@@ -338,9 +343,9 @@ class GeminiServer(SimulatedServer):
     def api_routes(self) -> list[BaseRoute]:
         return [Route(GEMINI_MODELS_PATH + "/{target}", self._models, methods=["POST"])]
 
-    async def _accept(self, request: Request) -> Any:
+    async def _accept(self, request: Request) -> tuple[Any, Fault | None]:
         body, fault = await self.intake(request)
-        if fault is not None:
+        if fault is not None and fault.refuses:
             raise Refusal(self._fault_answer(fault))
         problem = self.key_problem(request.headers.get("x-goog-api-key") or request.query_params.get("key"))
         if problem == "missing":
@@ -358,12 +363,12 @@ class GeminiServer(SimulatedServer):
             }
             message = "API key not valid. Please pass a valid API key."
             raise Refusal(_gemini_error(400, "INVALID_ARGUMENT", message, [info]))
-        return body
+        return body, fault
 
     async def _models(self, request: Request) -> Response:
         model, _, method = str(request.path_params["target"]).rpartition(":")
         try:
-            body = await self._accept(request)
+            body, fault = await self._accept(request)
             if method not in ("generateContent", "batchEmbedContents") or not self.knows(model):
                 self.bad_request()
                 message = (
@@ -373,7 +378,7 @@ class GeminiServer(SimulatedServer):
                 )
                 return _gemini_error(404, "NOT_FOUND", message)
             if method == "generateContent":
-                return await self._generate(model, body)
+                return await self._generate(model, body, fault)
             return await self._embed(model, body)
         except Refusal as refusal:
             return refusal.response
@@ -400,7 +405,7 @@ class GeminiServer(SimulatedServer):
             )
             raise Refusal(_gemini_error(429, "RESOURCE_EXHAUSTED", message, [quota, _retry_info(wait_ms)]))
 
-    async def _generate(self, model: str, body: Any) -> Response:
+    async def _generate(self, model: str, body: Any, fault: Fault | None = None) -> Response:
         try:
             system, turns, max_tokens = _parse_generate(body)
         except ValueError as exc:
@@ -430,6 +435,8 @@ class GeminiServer(SimulatedServer):
             "modelVersion": model,
             "responseId": f"sim-{self.next_id()}",
         }
+        if fault is not None:
+            fault.shape_usage(reply, "usageMetadata")
         return JSONResponse(reply)
 
     async def _embed(self, model: str, body: Any) -> Response:
@@ -445,6 +452,9 @@ class GeminiServer(SimulatedServer):
 
     def _fault_answer(self, fault: Fault) -> Response:
         assert fault.status is not None
+        raw = fault.raw_answer()
+        if raw is not None:
+            return raw
         status, message = _GEMINI_ERRORS.get(
             fault.status, ("INTERNAL" if fault.status >= 500 else "FAILED_PRECONDITION", "A scripted fault.")
         )

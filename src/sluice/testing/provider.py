@@ -4,7 +4,8 @@ The goodput benchmark needs a provider that says no the way real ones do,
 on a clock short enough for a benchmark to finish in seconds. This one
 speaks the small part of the OpenAI protocol a queue's handler needs
 (``POST /v1/chat/completions`` with ``model``, ``messages`` and
-``max_tokens``; the reply has ``choices`` and ``usage``; and
+``max_tokens``, or ``max_completion_tokens`` as OpenAI's reasoning models
+want it; the reply has ``choices`` and ``usage``; and
 ``POST /v1/embeddings``) and enforces two limits per window:
 
 * requests: at most ``requests`` accepted requests in any window;
@@ -40,7 +41,9 @@ What a client must survive is scripted, from another process:
 ``POST /_control/faults`` with a JSON list such as ``[{"status": 500},
 {"status": 429, "retry_after_ms": 300}, {"delay": 2.0}, {"status": 401}]``
 makes the next API requests fail (or wait) that way, in order, each answer
-in the provider's own error shape and headers (see :class:`Fault`).
+in the provider's own error shape and headers (see :class:`Fault`);
+``{"status": 200, "omit_usage": true}`` serves the next request with no usage
+in its answer.
 ``GET /_control/requests`` shows the last requests received (paths, bodies,
 headers without the key). With an ``api_key`` the server checks the key
 header as the provider does; with ``models`` it knows only those models.
@@ -342,7 +345,9 @@ class ProviderStats:
     unauthorized: int = 0
 
 
-_FAULT_FIELDS = frozenset({"status", "delay", "retry_after_ms", "code", "message", "headers"})
+_FAULT_FIELDS = frozenset(
+    {"status", "delay", "retry_after_ms", "code", "message", "headers", "body", "omit_usage"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +361,14 @@ class Fault:
     provider's error code (OpenAI's ``code``, Anthropic's ``type``, Gemini's ``status``)
     instead of the status's usual one, e.g. ``insufficient_quota``. ``message``: instead of
     the default message. ``headers``: added to the answer; None removes one the server sends.
+    ``body``: with a status of 300 or more, the answer's whole body instead of the provider's
+    error shape (a JSON value; a string is sent as plain text), for the odd bodies clients must
+    read (a proxy's page, a message that is not a string).
+
+    A fault with status 200 (or none) and ``omit_usage`` is a success whose answer carries no
+    usage, as some proxies and compatible servers answer: ``true`` leaves the usage field out
+    (OpenAI's ``usage``, Anthropic's ``usage``, Gemini's ``usageMetadata``), ``"null"`` writes
+    it as null.
     """
 
     status: int | None = None
@@ -364,6 +377,13 @@ class Fault:
     code: str | None = None
     message: str | None = None
     headers: Mapping[str, str | None] = field(default_factory=dict)
+    body: Any = None
+    omit_usage: bool | str = False
+
+    @property
+    def refuses(self) -> bool:
+        """Whether the request is answered by this fault (an error status), not served."""
+        return self.status is not None and self.status >= 300
 
     @classmethod
     def parse(cls, raw: Any) -> Fault:
@@ -372,8 +392,18 @@ class Fault:
             raise ValueError(f"a fault is a JSON object with some of {sorted(_FAULT_FIELDS)}, got {raw!r}")
         fault = cls(**raw)
         status, delay, retry, headers = fault.status, fault.delay, fault.retry_after_ms, fault.headers
-        if status is not None and (not isinstance(status, int) or not 300 <= status <= 599):
-            raise ValueError(f"status must be an HTTP status 300-599, got {status!r}")
+        if status is not None and (
+            isinstance(status, bool)
+            or not isinstance(status, int)
+            or not (status == 200 or 300 <= status <= 599)
+        ):
+            raise ValueError(f"status must be 200 or an HTTP status 300-599, got {status!r}")
+        if fault.omit_usage not in (False, True, "null"):
+            raise ValueError(f'omit_usage must be true, false or "null", got {fault.omit_usage!r}')
+        if fault.omit_usage and fault.refuses:
+            raise ValueError("omit_usage shapes a success: use it with status 200 (or none)")
+        if fault.body is not None and not fault.refuses:
+            raise ValueError("body replaces an error answer: use it with a status of 300 or more")
         if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 600:
             raise ValueError(f"delay must be 0 to 600 seconds, got {delay!r}")
         if retry is not None and (isinstance(retry, bool) or not isinstance(retry, int) or retry < 0):
@@ -383,6 +413,23 @@ class Fault:
         ):
             raise ValueError("headers must map header names to strings (or null to remove one)")
         return fault
+
+    def raw_answer(self) -> Response | None:
+        """The answer of a fault with a ``body`` (JSON, or plain text for a string); else None."""
+        if self.body is None:
+            return None
+        assert self.status is not None
+        if isinstance(self.body, str):
+            return Response(self.body, self.status, self.apply_headers({}), media_type="text/plain")
+        return JSONResponse(self.body, self.status, self.apply_headers({}))
+
+    def shape_usage(self, reply: dict[str, Any], name: str) -> dict[str, Any]:
+        """``reply`` (a success answer) without its usage field ``name`` as ``omit_usage`` says."""
+        if self.omit_usage == "null":
+            reply[name] = None
+        elif self.omit_usage:
+            reply.pop(name, None)
+        return reply
 
     def apply_headers(self, headers: dict[str, str]) -> dict[str, str]:
         """``headers`` with this fault's additions and removals."""
@@ -408,13 +455,14 @@ class FaultScript:
         return [asdict(f) for f in self._pending]
 
     async def take(self) -> Fault | None:
-        """The next fault after its delay, if it sets a status; None when none (or a delay only)."""
+        """The next fault after its delay, if it does more than wait (answers with an error, or
+        shapes the success); None when none (or a delay only)."""
         if not self._pending:
             return None
         fault = self._pending.popleft()
         if fault.delay:
             await asyncio.sleep(fault.delay)
-        return fault if fault.status is not None else None
+        return fault if fault.status is not None or fault.omit_usage else None
 
 
 class PrefixCache:
@@ -521,7 +569,8 @@ class SimulatedServer:
         return JSONResponse(list(self._requests))
 
     async def intake(self, request: Request) -> tuple[Any, Fault | None]:
-        """Read the JSON body (None if it is not JSON), record the request, take the next fault."""
+        """Read the JSON body (None if it is not JSON), record the request, take the next fault
+        (one that refuses, :attr:`Fault.refuses`, or one that shapes the success answer)."""
         try:
             body = await request.json()
         except ValueError:
@@ -535,7 +584,7 @@ class SimulatedServer:
             }
         )
         fault = await self.faults.take()
-        if fault is not None:
+        if fault is not None and fault.refuses:
             self._stats.faults += 1
         return body, fault
 
@@ -632,8 +681,15 @@ def _parse(body: Any) -> tuple[str, list[Any], int]:
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise _BadRequest("every message needs a string 'role' and 'content'")
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise _BadRequest("send 'max_tokens' or 'max_completion_tokens', not both")
+    if "max_completion_tokens" in body:  # what OpenAI's reasoning models want instead
+        max_tokens = body["max_completion_tokens"]
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise _BadRequest("'max_tokens' must be an integer >= 1 (the simulator counts it against the limit)")
+        raise _BadRequest(
+            "'max_tokens' (or 'max_completion_tokens') must be an integer >= 1 (the simulator counts "
+            "it against the limit)"
+        )
     return model, messages, max_tokens
 
 
@@ -698,10 +754,11 @@ class SimulatedProvider(SimulatedServer):
             headers["x-ratelimit-reset-tokens"] = format_duration(admission.reset_tokens)
         return headers
 
-    async def _accept(self, request: Request) -> Any:
-        """The body of an API request that passed the faults and the key check (else Refusal)."""
+    async def _accept(self, request: Request) -> tuple[Any, Fault | None]:
+        """The body of an API request that passed the faults and the key check (else Refusal),
+        and the fault that shapes its success answer, if any."""
         body, fault = await self.intake(request)
-        if fault is not None:
+        if fault is not None and fault.refuses:
             raise Refusal(self._fault_answer(fault))
         auth = request.headers.get("authorization", "")
         sent = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
@@ -724,7 +781,7 @@ class SimulatedProvider(SimulatedServer):
                 "You can find your API key at https://platform.openai.com/account/api-keys."
             )
             raise Refusal(_error(401, message, "invalid_request_error", "invalid_api_key"))
-        return body
+        return body, fault
 
     def _check_model(self, model: str) -> None:
         if not self.knows(model):
@@ -739,7 +796,7 @@ class SimulatedProvider(SimulatedServer):
 
     async def _completions(self, request: Request) -> Response:
         try:
-            body = await self._accept(request)
+            body, fault = await self._accept(request)
             try:
                 model, messages, max_tokens = _parse(body)
             except _BadRequest as exc:
@@ -774,11 +831,13 @@ class SimulatedProvider(SimulatedServer):
                 "prompt_tokens_details": {"cached_tokens": cached},
             },
         }
+        if fault is not None:
+            fault.shape_usage(reply, "usage")
         return JSONResponse(reply, headers=self._limit_headers(admission))
 
     async def _embeddings(self, request: Request) -> Response:
         try:
-            body = await self._accept(request)
+            body, fault = await self._accept(request)
             try:
                 model, texts, dimensions = _parse_embeddings(body, self.options.embedding_dimensions)
             except _BadRequest as exc:
@@ -802,6 +861,8 @@ class SimulatedProvider(SimulatedServer):
             "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }
+        if fault is not None:
+            fault.shape_usage(reply, "usage")
         return JSONResponse(reply, headers=self._limit_headers(admission))
 
     def _too_many(self, admission: Admission, cost: int) -> JSONResponse:
@@ -821,8 +882,11 @@ class SimulatedProvider(SimulatedServer):
             headers,
         )
 
-    def _fault_answer(self, fault: Fault) -> JSONResponse:
+    def _fault_answer(self, fault: Fault) -> Response:
         assert fault.status is not None
+        raw = fault.raw_answer()
+        if raw is not None:
+            return raw
         kind, code, message = _OPENAI_ERRORS.get(
             fault.status,
             ("server_error" if fault.status >= 500 else "invalid_request_error", None, "A scripted fault."),

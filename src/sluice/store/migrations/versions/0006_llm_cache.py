@@ -47,8 +47,6 @@ def upgrade() -> None:
         sa.Column("response", postgresql.JSONB(astext_type=sa.Text()), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("hits", sa.BigInteger(), server_default=sa.text("0"), nullable=False),
-        sa.Column("last_hit_at", sa.DateTime(timezone=True), nullable=True),
         sa.PrimaryKeyConstraint("id", name="pk_llm_cache"),
         sa.UniqueConstraint("tenant", "scope", "prompt_hash", name="uq_llm_cache_tenant_scope_prompt_hash"),
     )
