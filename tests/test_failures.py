@@ -805,7 +805,8 @@ async def test_callers_cannot_make_analysis_jobs_nor_spend_the_analysis_budget(
         ]
         for path, body, says in attempts:
             resp = await api.client.post(path, json=body, headers=auth(key))
-            assert resp.status_code == 422, (path, body, resp.text)
+            # ArQueue's route answers what a job type refuses with 400, as ArQueue does
+            assert resp.status_code == (400 if path == "/enqueue" else 422), (path, body, resp.text)
             assert says in resp.json()["message"], (path, resp.text)
         # nothing was stored, nothing enqueued, nothing reserved
         async with api.svc.db.sessions() as session:

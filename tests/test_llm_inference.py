@@ -418,3 +418,13 @@ async def test_a_job_reserving_more_than_the_token_gate_is_refused_at_once(
         )
     assert resp.status_code == 422
     assert "more than the provider's 1,000 tokens per minute" in resp.json()["message"]
+
+
+async def test_arqueues_route_answers_a_bad_llm_payload_400_as_arqueue_does(api: Running) -> None:
+    _, key = await api.svc.keys.create("acme")
+    resp = await api.client.post(
+        "/enqueue",
+        json={"type": "llm-inference", "payload": {"max_tokens": 5}},
+        headers={"Authorization": f"Bearer {key}"},
+    )
+    assert resp.status_code == 400 and "payload.prompt" in resp.json()["message"]

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
 from sluice.engine.backoff import Backoff
-from sluice.errors import RedisUnavailable
+from sluice.errors import InvalidJobError, RedisUnavailable
 from sluice.service.context import AdmittedDep, Caller, CallerDep, Services, ServicesDep
 from sluice.service.errors import ApiError, responses
 from sluice.service.schemas import ArqDeadTask, ArqEnqueued, ArqTaskIn, MetricsOut, PressureOut
@@ -81,7 +81,10 @@ async def accept_arq(svc: Services, who: Caller, body: ArqTaskIn, request_id: st
         idempotency_key=body.idempotencyKey,
         correlation_id=request_id,
     )
-    stored, _ = await svc.intake.submit(new)
+    try:
+        stored, _ = await svc.intake.submit(new)
+    except InvalidJobError as exc:  # a payload its job type refuses: ArQueue answers those 400
+        raise ApiError(400, str(exc)) from None
     try:
         depth = (await svc.queue.counts())["waiting"]
     except RedisUnavailable:  # the task is stored (and enqueued when Redis is back): still a 201
