@@ -16,7 +16,8 @@ embedder:
   the model's tokenizer, money at its list price), false hits;
 * **lookup latency** with ``sizes`` entries in one tenant and scope (the
   worst case: the index search is not narrowed by a partition): filler
-  entries with random unit vectors, then the set's prompts stored for real,
+  entries whose vectors blend two of the set's prompts with noise (see
+  :data:`FILLER_NOISE`), then the set's prompts stored for real,
   then ``lookups`` lookups of the set's prompts, timed whole and with the
   embedder's share apart; the HNSW answer's recall against an exact scan.
 """
@@ -214,11 +215,22 @@ def equivalents() -> list[tuple[str, str]]:
     return [(a, b) for a, b in raw["same"]]
 
 
-async def _fill(db: Database, size: int, dimensions: int, embedder_model: str, seed: int) -> float:
-    """``size`` filler entries (random unit vectors), the HNSW index built after them; seconds taken."""
+#: How far filler vectors stand from the real prompts they are made of: far enough that none is
+#: a hit for a real prompt (their highest similarity to one is reported), near enough that the
+#: index holds one neighbourhood of prompts as a real cache does, not uniform noise (which
+#: no search can walk: every random point is at the same distance from every query).
+FILLER_NOISE = 0.9
+
+
+async def _fill(db: Database, size: int, anchors: Any, embedder_model: str, seed: int) -> tuple[float, float]:
+    """``size`` filler entries, each a blend of two real prompts' vectors and noise; the HNSW
+    index built after them. Returns (seconds taken, the fillers' highest similarity to a real
+    prompt)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
+    dimensions = anchors.shape[1]
+    highest = -1.0
     scope = cache_scope("openai", "gpt-4o-mini", params={"max_tokens": 200})
     started = time.perf_counter()
     async with db.engine.connect() as conn:
@@ -228,8 +240,13 @@ async def _fill(db: Database, size: int, dimensions: int, embedder_model: str, s
         await raw.execute("DROP INDEX IF EXISTS ix_llm_cache_embedding")
         for start in range(0, size, 5000):
             n = min(5000, size - start)
-            vectors = rng.standard_normal((n, dimensions)).astype(np.float32)
+            picks = rng.integers(0, len(anchors), size=(n, 2))
+            weights = rng.uniform(0.3, 0.7, size=(n, 1)).astype(np.float32)
+            noise = rng.standard_normal((n, dimensions)).astype(np.float32)
+            noise *= FILLER_NOISE / np.linalg.norm(noise, axis=1, keepdims=True)
+            vectors = weights * anchors[picks[:, 0]] + (1 - weights) * anchors[picks[:, 1]] + noise
             vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+            highest = max(highest, float((vectors @ anchors.T).max()))
             texts = ["[" + ",".join(f"{x:.6g}" for x in row) + "]" for row in vectors]
             prompts = [f"filler prompt {start + i}" for i in range(n)]
             await raw.execute(
@@ -253,17 +270,27 @@ async def _fill(db: Database, size: int, dimensions: int, embedder_model: str, s
             "WITH (m = 16, ef_construction = 64)"
         )
         await raw.execute("ANALYZE llm_cache")
-    return time.perf_counter() - started
+    return time.perf_counter() - started, highest
 
 
 async def _latency(
     db: Database, embedder: LocalEmbedder, spec: CacheBenchSpec, size: int, progress: Progress
 ) -> dict[str, Any]:
-    build_s = await _fill(db, size, embedder.dimensions, embedder.model, spec.seed)
+    import numpy as np
+
+    pairs: list[Pair] = load_pairs("cache_pairs")
+    anchors = np.array(
+        [
+            v
+            for start in range(0, len(pairs), 64)
+            for v in embedder.embed_sync([p.a for p in pairs[start : start + 64]])
+        ],
+        dtype=np.float32,
+    )
+    build_s, filler_highest = await _fill(db, size, anchors, embedder.model, spec.seed)
     timed = _TimedEmbedder(embedder)
     cache = SemanticCache(db, timed, policy=CachePolicy(threshold=spec.threshold))
     scope = cache_scope("openai", "gpt-4o-mini", params={"max_tokens": 200})
-    pairs: list[Pair] = load_pairs("cache_pairs")
     for p in pairs:  # the set's first prompts, stored for real: lookups of the others find them
         await cache.store(TENANT, scope, p.a, {"response": f"answer to: {p.a}"})
     asks = [p.b for p in pairs] + [p.a for p in pairs]
@@ -286,6 +313,7 @@ async def _latency(
     return {
         "entries": size + len(pairs),
         "index_build_s": round(build_s, 2),
+        "filler_highest_similarity_to_a_prompt": round(filler_highest, 4),
         "lookups": len(asks),
         "hits": hits,
         "lookup": _percentiles(whole),

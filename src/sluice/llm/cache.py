@@ -52,6 +52,7 @@ import orjson
 from sluice.errors import ConfigurationError
 from sluice.llm import guards
 from sluice.settings import environment
+from sluice.store.database import HNSW_EF_SEARCH
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -66,10 +67,11 @@ DEFAULT_THRESHOLD = 0.92
 DEFAULT_TTL_MS = 24 * 3600 * 1000
 ENV_THRESHOLD = ("SLUICE_CACHE_SIMILARITY_THRESHOLD", "CACHE_SIMILARITY_THRESHOLD")
 ENV_TTL_MS = ("SLUICE_CACHE_TTL_MS", "CACHE_TTL_MS")
-#: HNSW candidates examined per lookup (pgvector's ``hnsw.ef_search``): pgvector 0.6 filters
-#: by tenant and scope after the index scan, so a larger list finds a scope's entries among
-#: other scopes' more often. Small scopes are read exactly instead (the planner's choice).
-EF_SEARCH = 100
+#: HNSW candidates examined per lookup (pgvector's ``hnsw.ef_search``, set on the connections
+#: of ``Database.raw_pool``): pgvector 0.6 filters by tenant and scope after the index scan, so
+#: a larger list finds a scope's entries among other scopes' more often. Small scopes are read
+#: exactly instead (the planner's choice).
+EF_SEARCH = HNSW_EF_SEARCH
 _WHITESPACE = re.compile(r"\s+")
 
 Judge = Callable[[str, str], Awaitable[bool]]
@@ -235,8 +237,7 @@ class SemanticCache:
             return Lookup(None, digest, exact_only=True)
         # Not holding a connection while the embedder works (milliseconds of CPU, in a thread).
         [embedding] = await self.embedder.embed([prompt])
-        async with self._connection() as conn, conn.transaction():
-            await conn.execute(f"SET LOCAL hnsw.ef_search = {EF_SEARCH}")
+        async with self._connection() as conn:
             rows = await conn.fetch(
                 _NEAREST, tenant, scope, self.embedder.model, _vector_text(embedding), policy.candidates
             )

@@ -69,6 +69,11 @@ def head_revision() -> str:
     return head
 
 
+#: HNSW candidates a nearest-neighbour search examines on the raw pool's connections
+#: (``llm/cache.py`` says why 100).
+HNSW_EF_SEARCH = 100
+
+
 class Database:
     """The store's connection pool. Close it with :meth:`close` (or ``async with``)."""
 
@@ -136,7 +141,10 @@ class Database:
                 import asyncpg  # type: ignore[import-untyped]
 
                 dsn = self.url.replace("postgresql+asyncpg://", "postgresql://", 1)
-                self._raw = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
+                # The semantic cache's nearest-neighbour search examines this many HNSW
+                # candidates (pgvector's default is 40): set once per connection, not per query.
+                settings = {"hnsw.ef_search": str(HNSW_EF_SEARCH)}
+                self._raw = await asyncpg.create_pool(dsn, min_size=1, max_size=4, server_settings=settings)
         return self._raw
 
     async def close(self) -> None:
