@@ -4,6 +4,7 @@ PostgreSQL with pgvector, and the token ledger. What the provider saw is the tru
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -428,3 +429,74 @@ async def test_arqueues_route_answers_a_bad_llm_payload_400_as_arqueue_does(api:
         headers={"Authorization": f"Bearer {key}"},
     )
     assert resp.status_code == 400 and "payload.prompt" in resp.json()["message"]
+
+
+async def _everything_in(redis: Redis, db: Database) -> str:
+    """Every value Redis holds and every row of every table of the store, as text."""
+    parts: list[str] = []
+    async for key in redis.scan_iter(count=1000):
+        raw_kind: Any = await redis.type(key)
+        kind = raw_kind.decode() if isinstance(raw_kind, bytes) else str(raw_kind)
+        if kind == "string":
+            parts.append(str(await redis.get(key)))
+        elif kind == "hash":
+            parts.append(str(await redis.hgetall(key)))
+        elif kind == "list":
+            parts.append(str(await redis.lrange(key, 0, -1)))
+        elif kind == "set":
+            parts.append(str(await redis.smembers(key)))
+        elif kind == "zset":
+            parts.append(str(await redis.zrange(key, 0, -1, withscores=True)))
+        elif kind == "stream":
+            parts.append(str(await redis.xrange(key)))
+        parts.append(str(key))
+    pool = await db.raw_pool()
+    async with pool.acquire() as conn:
+        tables = [
+            r["tablename"]
+            for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        ]
+        for table in tables:
+            rows = await conn.fetch(f'SELECT row_to_json(t)::text AS row FROM "{table}" t')  # noqa: S608 (names from pg_tables)
+            parts += [r["row"] for r in rows]
+    return "\n".join(parts)
+
+
+async def test_a_canary_provider_key_reaches_no_log_job_record_store_or_redis(
+    api: Running, redis_url: str, sluice_database_url: str, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    canary = f"sk-canary-{uuid.uuid4().hex}"
+    _, key = await api.svc.keys.create("acme")
+    caplog.set_level(logging.DEBUG)
+    redis = Redis.from_url(redis_url)
+    db = Database(sluice_database_url, pool_size=2)
+    # One provider that takes the canary (its calls answer, 429 and fail in turn), and one that
+    # refuses it and repeats it in its error, as a careless server does.
+    with (
+        serve_provider(ProviderLimits(), api_key=canary) as taking,
+        serve_provider(ProviderLimits(), api_key="sk-other") as refusing,
+    ):
+        await _fault(taking, [{"status": 429, "retry_after_ms": 600}, {"status": 500}])
+        for url, max_attempts in ((taking, 3), (refusing, 1)):
+            provider = OpenAIProvider(base_url=f"{url}/v1", api_key_env="CANARY", env={"CANARY": canary})
+            cache = SemanticCache(db, EMBEDDER, redis=redis, prefix=prefix)
+            rt = LLMRuntime(provider, model="gpt-4o-mini", cache=cache, redis=redis)
+            try:
+                async with running(service_worker(prefix=prefix, llm=rt), redis_url):
+                    job = await submit(api, key, {"prompt": f"Say hi via {url}"}, max_attempts=max_attempts)
+                    await finished(api, job["id"])
+            finally:
+                await rt.aclose()
+    rows = [await api.svc.store.get(uuid.UUID(i)) for i in await _job_ids(api)]
+    assert {r.status for r in rows if r is not None} == {"COMPLETED", "DEAD_LETTER"}  # both paths ran
+    everything = await _everything_in(redis, db)
+    await redis.aclose()
+    await db.close()
+    assert canary not in everything
+    assert canary not in caplog.text
+    assert all(canary not in f"{r.error} {r.result}" for r in rows if r is not None)
+
+
+async def _job_ids(api: Running) -> list[str]:
+    page = await api.svc.store.list_jobs("acme", limit=100)
+    return [str(job.id) for job in page.jobs]
