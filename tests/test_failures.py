@@ -888,21 +888,12 @@ async def test_a_death_committed_behind_the_collectors_cursor_is_counted(
     assert cursor is not None
     # Given a job whose death a sink batch committed late: its updated_at (stamped before the
     # batch connected) is behind the cursor the pass left
-    late, _ = await api.svc.store.create(
-        NewJob(
-            "acme", "jobs", "sync-user", {"org": 2}, priority=0, max_attempts=1, backoff=["fixed", 1, 1, 0]
-        )
+    await _dead_row(
+        api,
+        {"org": 2},
+        f"ValueError: no user {uuid.uuid4()} in org 2",
+        cursor.updated_at - timedelta(seconds=20),
     )
-    async with api.svc.db.sessions() as session, session.begin():
-        await session.execute(
-            update(JobRow)
-            .where(JobRow.id == late.id)
-            .values(
-                status="DEAD_LETTER",
-                error=f"ValueError: no user {uuid.uuid4()} in org 2",
-                updated_at=cursor.updated_at - timedelta(seconds=20),
-            )
-        )
     # When the next pass runs, it is counted, into its pattern, once
     again = await collector.collect(now=later())
     assert (again.counted, again.late) == (1, 1)
@@ -911,17 +902,20 @@ async def test_a_death_committed_behind_the_collectors_cursor_is_counted(
     (pattern,) = (await api.client.get("/v1/failures/patterns", headers=auth(acme))).json()["patterns"]
     assert pattern["count"] == 2
     # a death older than the overlap the pass looks back over is left (a bounded look-back)
-    old, _ = await api.svc.store.create(
-        NewJob(
-            "acme", "jobs", "sync-user", {"org": 3}, priority=0, max_attempts=1, backoff=["fixed", 1, 1, 0]
-        )
+    await _dead_row(api, {"org": 3}, "ValueError: x", cursor.updated_at - timedelta(hours=1))
+    assert (await collector.collect(now=later())).counted == 0
+
+
+async def _dead_row(api: Running, payload: dict[str, Any], error: str, updated_at: datetime) -> uuid.UUID:
+    """A stored job put straight into DEAD_LETTER with this error and updated_at, as a sink batch
+    that committed late leaves it."""
+    job, _ = await api.svc.store.create(
+        NewJob("acme", "jobs", "sync-user", payload, priority=0, max_attempts=1, backoff=["fixed", 1, 1, 0])
     )
     async with api.svc.db.sessions() as session, session.begin():
         await session.execute(
             update(JobRow)
-            .where(JobRow.id == old.id)
-            .values(
-                status="DEAD_LETTER", error="ValueError: x", updated_at=cursor.updated_at - timedelta(hours=1)
-            )
+            .where(JobRow.id == job.id)
+            .values(status="DEAD_LETTER", error=error, updated_at=updated_at)
         )
-    assert (await collector.collect(now=later())).counted == 0
+    return job.id
