@@ -348,3 +348,30 @@ def test_an_unset_or_empty_variable_means_the_builtin_prices(monkeypatch: pytest
 def test_price_checks_its_numbers(kwargs: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Price(**kwargs)  # type: ignore[arg-type]
+
+
+def test_anthropic_cache_writes_are_billed_at_a_quarter_above_the_input_price() -> None:
+    from sluice.llm.anthropic import anthropic_usage
+
+    usage = anthropic_usage(
+        {"usage": {"input_tokens": 100, "cache_creation_input_tokens": 800, "cache_read_input_tokens": 100}}
+    )
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.cache_write_tokens) == (1000, 100, 800)
+    price = price_for("anthropic", "claude-3-5-haiku")
+    assert price is not None and price.cache_write == pytest.approx(price.input * 1.25)
+    expected = (100 * price.input + 100 * price.cached_input + 800 * price.input * 1.25) / 1e6
+    assert cost("anthropic", "claude-3-5-haiku", usage) == pytest.approx(expected, abs=1e-8)
+    # and the worst case a money budget reserves covers a prompt written to the cache in full
+    worst = worst_case_cost("anthropic", "claude-3-5-haiku", 1000, 0)
+    written = cost("anthropic", "claude-3-5-haiku", Usage(1000, 0, 0, cache_write_tokens=1000))
+    assert worst is not None and written is not None and worst >= written
+
+
+def test_an_override_may_price_cache_writes(tmp_path: Path) -> None:
+    path = tmp_path / "prices.json"
+    path.write_text('{"anthropic/claude-x": {"input": 3, "output": 15, "cache_write": 6}}')
+    table = BUILTIN_PRICES.with_overrides_from_file(path)
+    assert table.cost("anthropic", "claude-x", Usage(10, 0, 0, cache_write_tokens=10)) == pytest.approx(6e-5)
+    path.write_text('{"anthropic/claude-x": {"input": 3, "output": 15, "cache_write": -1}}')
+    with pytest.raises(ConfigurationError, match="cache_write"):
+        BUILTIN_PRICES.with_overrides_from_file(path)

@@ -34,8 +34,9 @@ def anthropic_usage(data: Mapping[str, Any]) -> Usage:
     if not isinstance(usage, dict):
         return Usage(reported=False)
     read = _int(usage.get("cache_read_input_tokens"))
-    prompt = _int(usage.get("input_tokens")) + _int(usage.get("cache_creation_input_tokens")) + read
-    return Usage(prompt, _int(usage.get("output_tokens")), read)
+    written = _int(usage.get("cache_creation_input_tokens"))
+    prompt = _int(usage.get("input_tokens")) + written + read
+    return Usage(prompt, _int(usage.get("output_tokens")), read, cache_write_tokens=written)
 
 
 class AnthropicProvider(HTTPProvider):

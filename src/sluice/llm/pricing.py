@@ -51,6 +51,7 @@ borrowing a neighbour's, which can be ten times too low.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -85,7 +86,7 @@ PRICES_AS_OF = "2026-11-30"
 
 _MILLION = Decimal(1_000_000)
 _QUANTUM = Decimal("1e-8")
-_FIELDS = ("input", "cached_input", "output", "long_context_above", "long_context")
+_FIELDS = ("input", "cached_input", "output", "cache_write", "long_context_above", "long_context")
 _EXAMPLE = '{"input": 2.5, "cached_input": 1.25, "output": 10}'
 # What may follow a table entry's name in a model's name and still be the same model.
 _VERSION_SUFFIX = re.compile(r"(?:-\d{4}-\d{2}-\d{2}|-\d{8}|-\d{3,4}|-latest|-v\d+(?::\d+)?|@\d{8}|@latest)+")
@@ -106,10 +107,15 @@ class Price:
     output: float
     long_context_above: int | None = None
     long_context: Price | None = None
+    #: prompt tokens written to the provider's cache (None: at ``input``); Anthropic bills a
+    #: five-minute cache write at 1.25 times the input price
+    cache_write: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("input", "cached_input", "output"):
+        for name in ("input", "cached_input", "output", "cache_write"):
             value = getattr(self, name)
+            if name == "cache_write" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a number of US dollars per million tokens, got {value!r}")
             if value < 0:
@@ -123,12 +129,28 @@ class Price:
         if self.long_context is not None and self.long_context.long_context is not None:
             raise ValueError("long_context prices cannot have a long_context of their own")
 
+    @property
+    def write_price(self) -> float:
+        """The price of a prompt token written to the cache."""
+        return self.input if self.cache_write is None else self.cache_write
+
     def tier(self, prompt_tokens: int) -> Price:
         """The prices that apply to a request with ``prompt_tokens`` input tokens."""
         above = self.long_context_above
         if self.long_context is not None and above is not None and prompt_tokens > above:
             return self.long_context
         return self
+
+
+#: Anthropic bills a prompt-cache write (five-minute cache) at this times the input price.
+ANTHROPIC_CACHE_WRITE = 1.25
+
+
+def _with_cache_write(price: Price) -> Price:
+    long = _with_cache_write(price.long_context) if price.long_context is not None else None
+    return dataclasses.replace(
+        price, cache_write=round(price.input * ANTHROPIC_CACHE_WRITE, 6), long_context=long
+    )
 
 
 def _price(
@@ -240,10 +262,12 @@ class PriceTable(Mapping[str, Price]):
         for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
             _check_tokens(name, getattr(usage, name))
         tier = price.tier(usage.prompt_tokens)
-        uncached = max(usage.prompt_tokens - usage.cached_tokens, 0)
+        written = min(usage.cache_write_tokens, max(usage.prompt_tokens - usage.cached_tokens, 0))
+        uncached = max(usage.prompt_tokens - usage.cached_tokens - written, 0)
         total = (
             uncached * _dec(tier.input)
             + usage.cached_tokens * _dec(tier.cached_input)
+            + written * _dec(tier.write_price)
             + usage.completion_tokens * _dec(tier.output)
         )
         return float((total / _MILLION).quantize(_QUANTUM, rounding=ROUND_HALF_EVEN))
@@ -258,7 +282,8 @@ class PriceTable(Mapping[str, Price]):
         # A prompt of at most prompt_tokens may fall in either tier once it is above the threshold.
         tiers = {price, price.tier(prompt_tokens)}
         worst = max(
-            prompt_tokens * max(_dec(t.input), _dec(t.cached_input)) + max_tokens * _dec(t.output)
+            prompt_tokens * max(_dec(t.input), _dec(t.cached_input), _dec(t.write_price))
+            + max_tokens * _dec(t.output)
             for t in tiers
         )
         return float((worst / _MILLION).quantize(_QUANTUM, rounding=ROUND_CEILING))
@@ -280,7 +305,7 @@ def _split_key(key: object) -> tuple[str, str]:
 def _parse_price(value: object, *, nested: bool = False) -> Price:
     if not isinstance(value, Mapping):
         raise _EntryError(f"the prices must be an object, got {type(value).__name__}")
-    allowed = _FIELDS[:3] if nested else _FIELDS
+    allowed = _FIELDS[:4] if nested else _FIELDS
     unknown = sorted(str(k) for k in value if k not in allowed)
     if unknown:
         raise _EntryError(f"unknown field {unknown[0]!r} (the fields are {', '.join(allowed)})")
@@ -295,6 +320,18 @@ def _parse_price(value: object, *, nested: bool = False) -> Price:
                 f"{name!r} must be a number >= 0 of US dollars per million tokens, got {rate!r}"
             )
         rates[name] = float(rate)
+    write = value.get("cache_write")
+    if write is not None:
+        if (
+            isinstance(write, bool)
+            or not isinstance(write, int | float)
+            or not math.isfinite(write)
+            or write < 0
+        ):
+            raise _EntryError(
+                f"'cache_write' must be a number >= 0 of US dollars per million tokens, got {write!r}"
+            )
+        rates["cache_write"] = float(write)
     long_context = None
     above = value.get("long_context_above")
     if "long_context" in value:
@@ -425,7 +462,7 @@ _GEMINI = {
 BUILTIN_PRICES = PriceTable(
     {
         **{f"openai/{model}": price for model, price in _OPENAI.items()},
-        **{f"anthropic/{model}": price for model, price in _ANTHROPIC.items()},
+        **{f"anthropic/{model}": _with_cache_write(price) for model, price in _ANTHROPIC.items()},
         **{f"gemini/{model}": price for model, price in _GEMINI.items()},
     }
 )

@@ -44,6 +44,7 @@ class Usage:
     """Tokens an answer used, as the provider reported them. ``cached_tokens`` is the part of
     ``prompt_tokens`` served from the provider's prompt cache (billed at the cached price).
 
+    ``cache_write_tokens`` is the part written to the cache, billed at the cache-write price.
     ``reported`` is False when the answer carried no usage at all (a proxy or server that
     leaves it out): the zeros are then unknown, not free, and whoever charges a budget keeps
     the reservation rather than refund it.
@@ -53,6 +54,9 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     reported: bool = True
+    #: the part of ``prompt_tokens`` written to the provider's prompt cache (Anthropic bills it
+    #: above the input price)
+    cache_write_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
