@@ -67,6 +67,7 @@ CALLS: dict[str, Call] = {
     "Queue.counts": lambda q: q.counts(),
     "Queue.ids": lambda q: q.ids(q_state_waiting()),
     "Queue.workers": lambda q: q.workers(),
+    "Queue.latency": lambda q: q.latency(60),
     "Queue.dead_letters": lambda q: q.dead_letters(),
     "Queue.redrive": lambda q: q.redrive(),
     "Queue.purge_dead": lambda q: q.purge_dead(),

@@ -27,6 +27,7 @@ from sluice.cli import (
     redis_cmd,
     retention_cmd,
     serve_cmd,
+    stats_cmd,
     worker_cmd,
 )
 from sluice.cli.errors import SluiceGroup
@@ -98,6 +99,7 @@ for name, fn in (
     ("demo", demo.demo),
     ("serve", serve_cmd.serve),
     ("dev", dev_cmd.dev),
+    ("stats", stats_cmd.stats),
 ):
     app.command(name, cls=SluiceCommand)(fn)
 app.add_typer(dlq_cmd.dlq_app, name="dlq")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import uuid
 from typing import TYPE_CHECKING, Annotated
 
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from sluice.store.keys import ApiKey
 
 ENV_DATABASE = "SLUICE_DATABASE_URL"
+#: prometheus-client's multiprocess directory (``sluice serve -p N`` sets its own).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 keys_app = typer.Typer(
     help="API keys of the service: each is bound to a tenant, and sees only that tenant's jobs.",
@@ -91,15 +95,28 @@ def serve(
     os.environ["SLUICE_DATABASE_URL"] = database_url
     os.environ["SLUICE_REDIS_URL"] = redis_url
     os.environ["SLUICE_QUEUE"] = queue
-    uvicorn.run(
-        "sluice.service.asgi:app",
-        factory=True,
-        host=host,
-        port=port,
-        workers=processes if processes > 1 else None,
-        log_level="warning",
-        access_log=False,
-    )
+    # Prometheus: with several processes each writes its metrics' values into a directory of
+    # its own that all of them share, and the one answering a scrape adds them up (the
+    # variable is read when a process imports prometheus-client: uvicorn's workers do, after
+    # this). A fresh directory per run, ours, removed at exit; one process keeps them in memory.
+    metrics_dir = tempfile.mkdtemp(prefix="sluice-metrics-") if processes > 1 else None
+    if metrics_dir is not None:
+        os.environ[MULTIPROC_ENV] = metrics_dir
+    else:
+        os.environ.pop(MULTIPROC_ENV, None)
+    try:
+        uvicorn.run(
+            "sluice.service.asgi:app",
+            factory=True,
+            host=host,
+            port=port,
+            workers=processes if processes > 1 else None,
+            log_level="warning",
+            access_log=False,
+        )
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def _check_database(url: str) -> None:

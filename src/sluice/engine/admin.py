@@ -16,6 +16,7 @@ import orjson
 from sluice.engine.clock import queue_now_ms
 from sluice.engine.job import JobRecord, JobState
 from sluice.engine.keys import check_job_id
+from sluice.engine.sketch import METRICS, RELATIVE_ACCURACY, Percentiles, bucket_keys, merge, summarize
 from sluice.engine.transport import reads, writes
 from sluice.errors import InvalidJobError, JobNotFound, JobStateError
 
@@ -48,6 +49,29 @@ COUNTERS = (
 
 #: Ids per redrive / purge script call: bounded work per call.
 ADMIN_CHUNK = 500
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyWindow:
+    """Latency percentiles of one queue over one sliding window (see engine/sketch.py).
+
+    ``metrics`` maps queue_wait, processing and end_to_end to their count and
+    p50/p95/p99 in ms. Each percentile is within ``accuracy`` (relative) of the
+    exact value at rank ``floor(q * (n - 1))`` of the samples flushed so far; the
+    window covers between ``window_s`` and one bucket more (10 s up to 6 min,
+    1 min above).
+    """
+
+    window_s: float
+    accuracy: float
+    metrics: dict[str, Percentiles]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "window_s": self.window_s,
+            "accuracy": self.accuracy,
+            "metrics": {name: p.to_dict() for name, p in self.metrics.items()},
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +200,31 @@ class QueueAdmin:
                 )
             )
         return out
+
+    @reads
+    async def latency(self, window_seconds: float = 60.0, *, now: int | None = None) -> LatencyWindow:
+        """Percentiles of queue wait, processing and end-to-end time over the last
+        ``window_seconds`` (up to 3,780), from the bins every worker flushes.
+
+        queue_wait: from when the attempt became runnable (the job's creation, or the
+        end of its delay or retry backoff) to its dispatch; processing: dispatch to
+        outcome; end_to_end: creation to the outcome that ended the job (completed or
+        dead). ``now`` (ms) replaces Redis's clock (tests).
+        """
+        window_ms = int(window_seconds * 1000)
+        at = now if now is not None else await queue_now_ms(self)
+        per_metric = [bucket_keys(self.keys, metric, at, window_ms) for metric in METRICS]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for keys in per_metric:
+                for key in keys:
+                    pipe.hgetall(key)
+            raw: list[dict[bytes, bytes]] = await pipe.execute()
+        out: dict[str, Percentiles] = {}
+        start = 0
+        for metric, keys in zip(METRICS, per_metric, strict=True):
+            out[metric] = summarize(merge(raw[start : start + len(keys)]))
+            start += len(keys)
+        return LatencyWindow(window_seconds, RELATIVE_ACCURACY, out)
 
     async def dead_letters(self, offset: int = 0, limit: int = 100) -> list[JobRecord]:
         """Dead-lettered jobs, oldest first, with their last error."""

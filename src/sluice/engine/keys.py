@@ -66,6 +66,7 @@ class QueueKeys:
     budget_ops_prefix: str
     parked_prefix: str
     parkedby: str
+    latency_prefix: str
 
     @classmethod
     def for_queue(cls, queue: str, prefix: str = "sluice") -> QueueKeys:
@@ -99,6 +100,7 @@ class QueueKeys:
             budget_ops_prefix=base + "bop:",
             parked_prefix=base + "parked:",
             parkedby=base + "parkedby",
+            latency_prefix=base + "lat:",
         )
 
     @property
@@ -119,3 +121,7 @@ class QueueKeys:
 
     def idem(self, key: str) -> str:
         return self.idem_prefix + key
+
+    def latency(self, metric: str, resolution: str, index: int) -> str:
+        """One latency bucket hash (engine/sketch.py): ``lat:<metric>:<10s|1m>:<n>``."""
+        return f"{self.latency_prefix}{metric}:{resolution}:{index}"

@@ -11,6 +11,9 @@ Helpers:
 * the renewer extends the leases of running jobs every third of a lease, and
   stops handlers whose lease was lost or whose cancellation was requested;
 * the reaper returns jobs whose lease expired (their worker died) to waiting.
+
+Beside them a small task flushes the latency bins of finished attempts about
+once a second (engine/sketch.py).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from sluice.engine.connection import MAX_BLOCK, REROUTE_ERRORS, blocking_client,
 from sluice.engine.context import JobContext, set_current_job
 from sluice.engine.eviction import warn_if_evicting
 from sluice.engine.protocol import LEASED_FIELDS, StepReply
+from sluice.engine.sketch import FLUSH_INTERVAL, LatencyRecorder
 from sluice.engine.transport import describe, server_url
 from sluice.engine.watchdog import SyncDispatch, Watchdog
 from sluice.errors import (
@@ -224,6 +228,11 @@ class Runner:
         self._give_up_at: float | None = None
         #: threads of the sync handlers, one per slot (made on first use)
         self._pool: ThreadPoolExecutor | None = None
+        #: latency bins of finished attempts, flushed about once a second (engine/sketch.py)
+        self.latency = LatencyRecorder(queue.keys, queue.scripts)
+        #: (job id, token) of each running attempt -> [dispatch, created, runnable since] (ms,
+        #: Redis's clock; runnable since: the job's due time, else its creation)
+        self._timing: dict[tuple[str, Any], list[int]] = {}
         self._watchdog: Watchdog | None = None
         if worker.hard_grace is not None or worker.loop_block_warning is not None:
             self._watchdog = Watchdog(
@@ -289,6 +298,7 @@ class Runner:
             asyncio.create_task(self._wake_loop(blocking), name="sluice-waker"),
             asyncio.create_task(self._renew_loop(), name="sluice-renewer"),
             asyncio.create_task(self._reap_loop(), name="sluice-reaper"),
+            asyncio.create_task(self._latency_loop(), name="sluice-latency"),
         ]
         log.info(
             "worker %s serving queue %s at %s (%d at once; handlers: %s)",
@@ -346,6 +356,10 @@ class Runner:
                 )
             await blocking.aclose()
             await self._wire.close()
+            # The bins of the last second: a graceful stop loses no sample.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5):
+                    await self.latency.flush()
             with contextlib.suppress(Exception):
                 await self._heartbeat(leaving=True)
             log.info("worker %s stopped", self.wid, extra={"worker_id": self.wid})
@@ -490,6 +504,7 @@ class Runner:
     async def _answered(self, call: _Call, reply: StepReply, *, late: bool) -> None:
         """Act on a dispatch reply: log refused outcomes, keep the timer, start the jobs."""
         self.epoch = reply.epoch
+        self._record_latency(call.outcomes, reply.codes, reply.now)
         for outcome, code in zip(call.outcomes, reply.codes, strict=True):
             if code <= 0:
                 log.warning(
@@ -513,8 +528,41 @@ class Runner:
             if self.stopping:  # leased while stopping (a call sent again): back to waiting
                 self.done.append((f[0].decode(), f[1], b"r", b"", 0, 0))
                 self.kick.set()
-            else:
-                self._start(f)
+            elif self._start(f):
+                self._timing[(f[0].decode(), f[1])] = [reply.now, *_runnable_since(f)]
+
+    def _record_latency(self, outcomes: list[Outcome], codes: list[int], now: int) -> None:
+        """Bin the durations of the attempts Redis has just taken the outcomes of.
+
+        Only attempts that count (completed 1, retry scheduled 2, dead-lettered 3; not a
+        release, a throttle, a cancel or a refused outcome) give a queue wait and a
+        processing time; end to end is given once per job, by the attempt that ended it.
+        Times are Redis's: dispatch is the leasing call's now, finish this call's now.
+        """
+        for outcome, code in zip(outcomes, codes, strict=True):
+            timing = self._timing.pop((outcome[0], outcome[1]), None)
+            if timing is None or code not in (1, 2, 3):
+                continue
+            dispatch, created, runnable = timing
+            self.latency.add("queue_wait", max(dispatch - runnable, 0), now)
+            self.latency.add("processing", max(now - dispatch, 0), now)
+            if code != 2:
+                self.latency.add("end_to_end", max(now - created, 0), now)
+
+    async def _latency_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(FLUSH_INTERVAL)
+            try:
+                await self.latency.flush()
+            except _TRANSIENT as exc:
+                _reraise_if_cancelled()
+                # Dropped, not sent again: the call may have been applied (at most ~1 s lost).
+                log.info(
+                    "worker %s: latency samples of the last second dropped: %s",
+                    self.wid,
+                    describe(exc),
+                    extra={"worker_id": self.wid, "error": describe(exc)},
+                )
 
     async def _still_leased(self, jobs: list[Any]) -> list[Any]:
         """The leased jobs whose leases are still this worker's, each renewed."""
@@ -541,7 +589,8 @@ class Runner:
                 )
         return kept
 
-    def _start(self, f: list[Any]) -> None:
+    def _start(self, f: list[Any]) -> bool:
+        """Start a leased job's handler; False if its record was unreadable (dead-lettered)."""
         job_id = f[0].decode()
         try:
             name = f[2].decode()
@@ -576,7 +625,7 @@ class Runner:
             # usage 0: no handler ran, so nothing can have reached the provider
             self.done.append((job_id, f[1], b"p", str(error).encode(), 0, 0))
             self.kick.set()
-            return
+            return False
         timeout = timeout_ms / 1000 if timeout_ms > 0 else self.worker.timeout
         job = _Running(ctx, f[1], timeout, f[7], self.worker.is_sync(name))
         job.started = time.monotonic()
@@ -587,6 +636,7 @@ class Runner:
             self._watchdog.watch(job)
         job.task = asyncio.create_task(self._execute(job, self.worker.get_handler(name)))
         job.task.add_done_callback(functools.partial(self._ended, job))
+        return True
 
     async def _execute(self, job: _Running, handler: Handler | None) -> None:
         ctx = job.ctx
@@ -940,3 +990,14 @@ def _describe(exc: BaseException) -> bytes:
     head = f"{type(exc).__name__}: {exc}\n"
     data = (head + text).encode(errors="replace")
     return data[:MAX_ERROR_BYTES]
+
+
+def _runnable_since(f: list[Any]) -> tuple[int, int]:
+    """(created, runnable since) of a leased job: since its ``due`` (the end of its delay or of
+    its retry's backoff) when it has one at or after its creation, else since its creation."""
+    created = int(f[8])
+    try:
+        due = int(float(f[12])) if f[12] else 0
+    except ValueError:
+        due = 0
+    return created, due if due >= created else created

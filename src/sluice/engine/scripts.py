@@ -45,6 +45,7 @@ COMMANDS = (
     "sweep",
     "heartbeat",
     "now",
+    "latency",
 )
 
 
@@ -117,3 +118,4 @@ class Scripts:
         self.sweep: AsyncScript = redis.register_script(source("sweep"))
         self.heartbeat: AsyncScript = redis.register_script(source("heartbeat"))
         self.now: AsyncScript = redis.register_script(source("now"))
+        self.latency: AsyncScript = redis.register_script(source("latency"))

@@ -31,6 +31,7 @@ from sluice.service import errors
 from sluice.service.config import ServiceSettings
 from sluice.service.context import Services, ServicesDep
 from sluice.service.fastlane import FastLane
+from sluice.service.metrics import Instrument
 from sluice.service.middleware import BodyLimit, RequestId
 from sluice.service.pressure import PressureGauge
 from sluice.service.ratelimit import RateLimiter
@@ -39,6 +40,7 @@ from sluice.service.routes_arqueue import router as arqueue_router
 from sluice.service.routes_compat import router as compat_router
 from sluice.service.routes_failures import arqueue_router as arqueue_failures_router
 from sluice.service.routes_failures import router as failures_router
+from sluice.service.routes_stats import router as stats_router
 from sluice.service.routes_v1 import router as v1_router
 from sluice.service.submit import Intake, enqueue
 from sluice.store.database import Database
@@ -162,6 +164,7 @@ def create_app(
         admin_router,
         failures_router,
         arqueue_failures_router,
+        stats_router,
     ):
         app.include_router(router)
 
@@ -197,11 +200,13 @@ def create_app(
 
 
 def _middleware(app: FastAPI, settings: ServiceSettings, *, fast_lane: bool) -> None:
-    """Outermost first: the request id, the body limit, then the submissions' fast lane."""
+    """Outermost first: the request metrics, the request id, the body limit, then the
+    submissions' fast lane."""
     if fast_lane:
         app.add_middleware(FastLane)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestId)
+    app.add_middleware(Instrument)
 
 
 async def _stop(tasks: list[asyncio.Task[None]], services: Services | None) -> None:

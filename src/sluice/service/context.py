@@ -44,6 +44,8 @@ class Services:
     #: digest -> (key or None, when the answer was read): a revoked key works for at most
     #: KEY_CACHE_SECONDS more, and a request costs no database read
     key_cache: dict[str, tuple[ApiKey | None, float]] = field(default_factory=dict)
+    #: what ``metrics.py`` keeps between scrapes (the budgets' names)
+    metrics_cache: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,10 @@ async def services(request: Request) -> Services:
         raise ApiError(503, "the service is starting; try again shortly")
     return found
 
+
+#: The scope-state key set on a request its key's rate limit refused (``metrics.py`` tells
+#: that 429 from backpressure's).
+REFUSED = "sluice_refused"
 
 #: How long a key's lookup is remembered.
 KEY_CACHE_SECONDS = 30.0
@@ -115,6 +121,7 @@ async def authorize(svc: Services, hashed: str, found: ApiKey | None, state: dic
     if svc.limiter.enabled:
         state["rate_limit"] = (svc.limiter.burst, verdict.remaining, svc.limiter.rate)
     if not verdict.allowed:
+        state[REFUSED] = "rate_limit"
         raise ApiError(
             429,
             f"this API key made more than {svc.limiter.rate:g} requests per second; "

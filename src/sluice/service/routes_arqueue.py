@@ -8,20 +8,22 @@ Its retries wait 2 s * 2^(retry - 1), at most 60 s, with 10 % jitter.
 ``GET /dead_letter?limit=`` lists dead-lettered tasks in its shape;
 ``GET /pressure`` says how far behind the queue is (our addition: that
 design refused by request rate only). ``GET /metrics`` answers its JSON
-counters, with latency percentiles added.
+counters, with latency percentiles added; to a Prometheus scraper (by
+``Accept``), the exposition of ``metrics.py``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
 
 from sluice.engine.backoff import Backoff
 from sluice.errors import InvalidJobError, RedisUnavailable
 from sluice.service.context import AdmittedDep, Caller, CallerDep, Services, ServicesDep
 from sluice.service.errors import ApiError, responses
+from sluice.service.metrics import exposition, wants_prometheus
 from sluice.service.schemas import ArqDeadTask, ArqEnqueued, ArqTaskIn, MetricsOut, PressureOut
 from sluice.service.submit import backoff_json
 from sluice.store.jobs import NewJob
@@ -129,10 +131,39 @@ async def pressure(svc: ServicesDep, who: CallerDep) -> PressureOut:
     )
 
 
-@router.get("/metrics", response_model=MetricsOut)
-async def metrics(svc: ServicesDep, who: CallerDep) -> MetricsOut:
+#: /openapi.json: the one path answers JSON or a Prometheus exposition (by ``Accept``).
+_METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "ArQueue's JSON counters; or, to a Prometheus scraper, its exposition",
+        "content": {
+            "text/plain; version=0.0.4": {"schema": {"type": "string"}},
+            "application/openmetrics-text; version=1.0.0": {"schema": {"type": "string"}},
+        },
+    },
+    **responses(403),
+}
+
+
+@router.get("/metrics", response_model=MetricsOut, responses=_METRICS_RESPONSES)
+async def metrics(request: Request, response: Response, svc: ServicesDep, who: CallerDep) -> Any:
     """Queue counters in ArQueue's names, and p50/p95/p99 (ms) of queue wait, processing and
-    end-to-end time over the last 1,000 jobs the store saw complete."""
+    end-to-end time over the last 1,000 jobs the store saw complete.
+
+    **Prometheus**: the same path answers a scraper in its own format, chosen by ``Accept``:
+    ``text/plain`` (the text format, version 0.0.4 unless a later one is asked for) or
+    ``application/openmetrics-text`` (OpenMetrics). No ``Accept``, ``*/*`` or
+    ``application/json`` keeps this JSON answer. The exposition needs an **admin** key
+    (``Authorization: Bearer`` in the scrape config): its queue-level series (depths by
+    state, the engine's counters, flow gates, pressure, every budget) are not one tenant's.
+    It adds this API's own series (requests, latency, submissions by outcome), summed over
+    all processes of ``sluice serve -p N``. See docs/architecture.md, Metrics."""
+    response.headers["Vary"] = "Accept"
+    accept = request.headers.get("accept")
+    if wants_prometheus(accept):
+        if not who.admin:
+            raise ApiError(403, "the Prometheus exposition needs an admin key (sluice keys create --admin)")
+        body, content_type = await exposition(svc, accept or "")
+        return Response(body, media_type=content_type, headers={"Vary": "Accept"})
     c = await svc.queue.counts()
     workers = await svc.queue.workers()
     latency = await svc.store.latency_percentiles(who.tenant, last=1000)

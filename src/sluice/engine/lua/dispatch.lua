@@ -21,7 +21,7 @@
 -- ARGV[9 + 6 * (i - 1) ...] per finished job: id, token, kind, value, retry in (ms from
 --   now, for kind 'f'), tokens used (-1 = not reported)
 --
--- Returns {n, code_1..code_n, next_due, now, epoch, <12 values per taken job>...}
+-- Returns {n, code_1..code_n, next_due, now, epoch, <13 values per taken job>...}
 -- (codes: see includes/finish.lua; next_due and jobs: see includes/dispatch.lua;
 -- now is the script's clock, so a worker can time next_due without trusting its own;
 -- epoch names this life of the queue's data, so that provider idempotency keys
@@ -45,7 +45,8 @@ local function replay(K, rec, now, epoch)
   for i = 1, #rec.l, 2 do
     local id, token = rec.l[i], rec.l[i + 1]
     local f = redis.call('HMGET', K.jobp .. id, 'state', 'token', 'name', 'payload', 'attempt',
-                         'max_attempts', 'timeout_ms', 'backoff', 'created', 'tokens', 'budget', 'cid')
+                         'max_attempts', 'timeout_ms', 'backoff', 'created', 'tokens', 'budget', 'cid',
+                         'due')
     if f[1] == 'active' and f[2] == token then
       local n = #out
       out[n + 1] = id
@@ -60,6 +61,7 @@ local function replay(K, rec, now, epoch)
       out[n + 10] = math.max(math.floor(tonumber(f[10]) or 0), 0)
       out[n + 11] = f[11] or ''
       out[n + 12] = f[12] or ''
+      out[n + 13] = f[13] or ''
     end
   end
   return out
@@ -118,7 +120,7 @@ if req ~= '' then
   -- so that the same call sent again after a lost reply is answered, not redone.
   local codes, leases = {}, {}
   for i = 1, n do codes[i] = out[i + 1] end
-  for i = at + 3, #out, 12 do -- (12 values per leased job: includes/dispatch.lua)
+  for i = at + 3, #out, LEASED_FIELDS do -- (the values of each leased job: includes/dispatch.lua)
     leases[#leases + 1] = out[i]
     leases[#leases + 1] = tostring(out[i + 1])
   end
