@@ -13,6 +13,7 @@ from sluice import logs
 from sluice.cli import (
     bench_cmd,
     budget_cmd,
+    burst_cmd,
     cache_bench_cmd,
     demo,
     dev_cmd,
@@ -112,7 +113,7 @@ app.add_typer(failures_cmd.failures_app, name="failures")
 app.add_typer(
     bench_cmd.bench_app, name="bench"
 )  # with `lab`, `goodput`, `cache`: registered by their modules
-_ = lab_cmd, goodput_cmd, cache_bench_cmd
+_ = lab_cmd, goodput_cmd, cache_bench_cmd, burst_cmd
 
 
 def main() -> None:
