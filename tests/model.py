@@ -269,7 +269,7 @@ class ModelJob:
 
 @dataclass(frozen=True)
 class LeasedJob:
-    """The 12 values dispatch returns per leased job, typed as Redis returns them."""
+    """The 13 values dispatch returns per leased job, typed as Redis returns them."""
 
     id: bytes
     token: int
@@ -283,6 +283,7 @@ class LeasedJob:
     tokens: int
     budget: bytes
     correlation_id: bytes
+    due: bytes
 
     def flat(self) -> list[bytes | int]:
         return [
@@ -298,6 +299,7 @@ class LeasedJob:
             self.tokens,
             self.budget,
             self.correlation_id,
+            self.due,
         ]
 
 
@@ -701,6 +703,7 @@ class Model:
             s.tokens,
             (s.budget or "").encode(),
             (s.correlation_id or "").encode(),
+            b"" if job.due is None else str(job.due).encode(),
         )
 
     def _next_due(self, wait: int) -> int:
