@@ -322,3 +322,26 @@ async def _store_one(url: str) -> None:
         await SemanticCache(db, EMBEDDER).store("t1", SCOPE, "Who painted the Mona Lisa?", answer("Leonardo"))
     finally:
         await db.close()
+
+
+def test_the_cache_benchmark_says_when_its_database_is_down() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sluice",
+            "bench",
+            "cache",
+            "--database",
+            "postgresql://x@127.0.0.1:1/db",
+            "-n",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "PostgreSQL at postgresql://x@127.0.0.1:1/db cannot be reached" in done.stderr
+    assert "internal error" not in done.stderr
