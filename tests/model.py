@@ -317,7 +317,7 @@ class ModelBudget:
     created: int | None = None
     period: int | None = None
     used: int = 0
-    counters: dict[str, int] = field(default_factory=dict)  # accepted, rejected, unknown, beyond
+    counters: dict[str, int] = field(default_factory=dict)  # accepted, rejected, unknown, beyond, charged
     #: rolling: reservation id -> (time reserved, the amount it charges to the window)
     log: dict[str, tuple[int, int]] = field(default_factory=dict)
     credit: int | None = None  # the stored one-off credit (None: the field was never written)
@@ -1124,6 +1124,9 @@ class Model:
             # moved on: the budget counters are cumulative.
             for _, b in present:
                 b.count("unknown")
+        if how != "refund" and target > 0:
+            for _, b in present:
+                b.counters["charged"] = b.counters.get("charged", 0) + target
         r.state = {"commit": "committed", "refund": "refunded", "unknown": "unknown"}[how]
         r.settled = now
         return r.state, True, freed
@@ -1230,6 +1233,7 @@ class Model:
             "overspent": max(b.used - b.admits, 0),
             "beyond_estimates": b.counters.get("beyond", 0),
             "credit": b.live,
+            "charged": b.counters.get("charged", 0),
         }
 
     def sweep_expired(self, now: int, limit: int) -> list[tuple[str, str, bool, int]]:

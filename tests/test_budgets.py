@@ -458,6 +458,29 @@ async def test_a_day_budget_renews_at_utc_midnight(queue: Queue) -> None:
     assert (state.used, state.resets_at_ms) == (100, ms(2027, 3, 12))
 
 
+async def test_charged_counts_what_was_spent_across_windows_and_levels(queue: Queue) -> None:
+    """``charged`` is the money spent: commits at their actual usage, nothing for a refund or
+    a held estimate, on every level, and it keeps counting when the day's window turns."""
+    b = queue.budgets
+    day = ms(2027, 3, 10, 12)
+    await b.create("team", 10_000, now=day)
+    await b.create("daily", 1_000, window="day", parent="team", now=day)
+    assert (await b.reserve("daily", 300, "r1", now=day)).accepted
+    assert (await b.reserve("daily", 200, "r2", now=day)).accepted
+    assert (await b.reserve("daily", 100, "r3", now=day)).accepted
+    assert (await b.get("daily", now=day)).charged == 0  # held: not spent yet
+    await b.commit("r1", 120, now=day)
+    await b.refund("r2", now=day)
+    assert [(await b.get(n, now=day)).charged for n in ("daily", "team")] == [120, 120]
+    tomorrow = ms(2027, 3, 11, 1)
+    await b.commit("r3", 90, now=tomorrow)  # reserved yesterday, settled today
+    assert (await b.reserve("daily", 50, "r4", now=tomorrow)).accepted
+    await b.commit("r4", 70, now=tomorrow)  # beyond its estimate: charged in full
+    state = await b.get("daily", now=tomorrow)
+    assert (state.used, state.charged) == (70, 280)
+    assert (await b.get("team", now=tomorrow)).charged == 280
+
+
 @pytest.mark.parametrize(
     ("last_day", "next_first"),
     [

@@ -59,7 +59,11 @@ class BudgetState:
     tokens charged beyond the estimates of reservations, since the budget was
     made (what makes a budget overspent). ``resets_at_ms``:
     when the calendar window turns, or when the oldest charge leaves a rolling
-    window (None: no window, or nothing to expire).
+    window (None: no window, or nothing to expire). ``charged``: the tokens of
+    every settled reservation (committed, or an unknown outcome) since the budget
+    was made, whatever its windows: the money spent, never the held estimates;
+    its rate over time is the burn rate (it restarts at 0 when a budget is
+    restored after Redis lost it).
     """
 
     name: str
@@ -77,6 +81,7 @@ class BudgetState:
     overspent: int = 0
     beyond_estimates: int = 0
     credit: int = 0
+    charged: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +249,7 @@ def _state(name: str, v: list[Any]) -> BudgetState | None:
         overspent=max(used - limit - credit, 0),
         beyond_estimates=int(v[11]),
         credit=credit,
+        charged=int(v[13]),
     )
 
 
@@ -381,7 +387,7 @@ class Budgets:
             if name != TOKEN_RATE_BUDGET:
                 check_budget_name(name)
         raw = await self._queue.scripts.budget_read(keys=self._keys.flow, args=[script_now(now), *names])
-        return [_state(name, raw[i * 13 : (i + 1) * 13]) for i, name in enumerate(names)]
+        return [_state(name, raw[i * 14 : (i + 1) * 14]) for i, name in enumerate(names)]
 
     @reads
     async def copies(self, names: list[str]) -> list[BudgetCopy | None]:

@@ -12,6 +12,9 @@
 --           time it ends (rolling, ms), or 0 (no window: it never ends)
 --   accepted / rejected / unknown   cumulative reservation counters
 --   beyond  cumulative tokens charged beyond the estimates of reservations
+--   charged cumulative tokens of settled reservations (committed or unknown
+--           outcome): what the budget has spent since it was made, whatever
+--           its windows; its rate is the burn rate
 -- A rolling budget also has a log, a zset at K.logp .. name: member
 -- '<amount> <reservation id>' -> time reserved; the charge leaves the window
 -- (and 'used') win_ms later. The amount lives in the member, not only in the
@@ -252,6 +255,7 @@ local function settle(K, rid, how, actual, now, keep_ms)
     -- An unknown outcome is counted on every budget it was charged to, even
     -- one whose window has moved on (the counters are cumulative).
     if b and how == 'unknown' then redis.call('HINCRBY', b.key, 'unknown', 1) end
+    if b and how ~= 'refund' and target > 0 then redis.call('HINCRBY', b.key, 'charged', target) end
     if b and still_counted(K, b, rid, amt, tonumber(periods[i]) or 0) then levels[#levels + 1] = b end
   end
   local d = target - amt
