@@ -1119,13 +1119,12 @@ class Model:
         if d > 0:
             r.beyond = d
         r.amt = target
-        if how == "unknown":
-            # Counted on every budget the reservation named, even one whose window
-            # moved on: the budget counters are cumulative.
-            for _, b in present:
+        # Counted on every budget the reservation named, even one whose window moved on: the
+        # budget counters are cumulative.
+        for _, b in present:
+            if how == "unknown":
                 b.count("unknown")
-        if how != "refund" and target > 0:
-            for _, b in present:
+            if how != "refund" and target > 0:
                 b.counters["charged"] = b.counters.get("charged", 0) + target
         r.state = {"commit": "committed", "refund": "refunded", "unknown": "unknown"}[how]
         r.settled = now
