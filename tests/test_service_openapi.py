@@ -112,7 +112,12 @@ def _served_schema() -> dict[str, object]:
     return create_app(settings).openapi()
 
 
-schema = schemathesis.openapi.from_dict(_served_schema(), config=schemathesis.Config.from_str(CONFIG))
+# GET /v1/live streams for as long as it is asked (up to 5 minutes): an in-process client
+# waits for the whole stream, so it is left out here; tests/test_dashboard.py reads it, bad
+# parameters included.
+schema = schemathesis.openapi.from_dict(
+    _served_schema(), config=schemathesis.Config.from_str(CONFIG)
+).exclude(path="/v1/live")
 
 
 @dataclass

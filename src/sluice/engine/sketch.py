@@ -146,9 +146,10 @@ def merge(hashes: Iterable[Mapping[bytes, bytes]]) -> dict[str, int]:
     return out
 
 
-def bucket_keys(keys: QueueKeys, metric: str, now_ms: int, window_ms: int) -> list[str]:
-    """The buckets that cover the last ``window_ms`` up to ``now_ms`` (the window and at
-    most one bucket more): 10 s buckets up to 6 min, 1 min buckets up to 63 min."""
+def buckets(now_ms: int, window_ms: int) -> tuple[str, int, range]:
+    """The resolution ("10s" or "1m"), bucket size (ms) and bucket numbers that cover the
+    last ``window_ms`` up to ``now_ms`` (the window and at most one bucket more): 10 s
+    buckets up to 6 min, 1 min buckets up to 63 min."""
     if window_ms <= 0:
         raise ConfigurationError(f"a window must be positive, got {window_ms} ms")
     if window_ms <= MAX_WINDOW_10S_MS:
@@ -157,9 +158,13 @@ def bucket_keys(keys: QueueKeys, metric: str, now_ms: int, window_ms: int) -> li
         size, res = BUCKET_1M_MS, "1m"
     else:
         raise ConfigurationError(f"windows longer than {MAX_WINDOW_1M_MS // 1000} s are not kept")
-    last = now_ms // size
-    first = (now_ms - window_ms) // size
-    return [keys.latency(_SHORT[metric], res, i) for i in range(first, last + 1)]
+    return res, size, range((now_ms - window_ms) // size, now_ms // size + 1)
+
+
+def bucket_keys(keys: QueueKeys, metric: str, now_ms: int, window_ms: int) -> list[str]:
+    """The keys of the buckets that cover the last ``window_ms`` up to ``now_ms``."""
+    res, _, numbers = buckets(now_ms, window_ms)
+    return [keys.latency(_SHORT[metric], res, i) for i in numbers]
 
 
 class LatencyRecorder:

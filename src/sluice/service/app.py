@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
 from pydantic import BaseModel
 
 from sluice.engine.queue import Queue
@@ -30,6 +30,7 @@ from sluice.llm.embedder import LocalEmbedder
 from sluice.service import errors
 from sluice.service.config import ServiceSettings
 from sluice.service.context import Services, ServicesDep
+from sluice.service.dashboard import create_dashboard
 from sluice.service.fastlane import FastLane
 from sluice.service.metrics import Instrument
 from sluice.service.middleware import BodyLimit, RequestId
@@ -40,6 +41,7 @@ from sluice.service.routes_arqueue import router as arqueue_router
 from sluice.service.routes_compat import router as compat_router
 from sluice.service.routes_failures import arqueue_router as arqueue_failures_router
 from sluice.service.routes_failures import router as failures_router
+from sluice.service.routes_live import router as live_router
 from sluice.service.routes_stats import router as stats_router
 from sluice.service.routes_v1 import router as v1_router
 from sluice.service.submit import Intake, enqueue
@@ -129,6 +131,10 @@ def create_app(
                         ),
                         name="sluice-cache-purge",
                     ),
+                    # Budgets' burn rates (the dashboard, GET /v1/budgets): sampled in every process.
+                    asyncio.create_task(
+                        app.state.services.burn.run(app.state.services, stop), name="sluice-burn-rates"
+                    ),
                 ]
             # The tokenizer that counts llm-inference reservations loads in a thread, not on the
             # first submission's event loop (up to half a second).
@@ -165,6 +171,7 @@ def create_app(
         failures_router,
         arqueue_failures_router,
         stats_router,
+        live_router,
     ):
         app.include_router(router)
 
@@ -194,9 +201,21 @@ def create_app(
             {"status": "ready" if ready else "not ready", "checks": checks}, 200 if ready else 503
         )
 
+    _dashboard(app, auth=auth)
     _middleware(app, settings, fast_lane=fast_lane)
     app.state.services = None
     return app
+
+
+def _dashboard(app: FastAPI, *, auth: bool) -> None:
+    """The dashboard at /dashboard/ (and / leads there)."""
+
+    @app.get("/", include_in_schema=False)
+    @app.get("/dashboard", include_in_schema=False)
+    async def to_dashboard() -> RedirectResponse:
+        return RedirectResponse("/dashboard/")
+
+    app.mount("/dashboard", create_dashboard(auth=auth), name="dashboard")
 
 
 def _middleware(app: FastAPI, settings: ServiceSettings, *, fast_lane: bool) -> None:

@@ -182,6 +182,7 @@ async def create_budget(body: BudgetIn, svc: ServicesDep, who: AdminDep) -> Budg
     except BudgetExists as exc:
         raise ApiError(409, str(exc), field="name") from None
     await svc.ledger.remember(body.name)
+    svc.metrics_cache.pop("budgets", None)  # the list of names (live.py, metrics.py) has one more
     return made
 
 
