@@ -15,7 +15,9 @@ already serving when the burst arrives, as in production:
   (the bins every worker flushes about once a second) until each metric
   counts all N jobs.
 
-The peer harness (bench-peers) has no burst mode, so there is no BullMQ figure.
+The peer harness (bench-peers) has no burst mode, so the same burst on BullMQ
+for Node is :mod:`sluice.lab.burst_peer`'s, run right after each of these on
+the same Redis when BullMQ is installed; :func:`write_plot` draws both.
 """
 
 from __future__ import annotations
@@ -53,8 +55,6 @@ SETTLE_S = 0.5
 LATENCY_WAIT_S = 10.0
 #: The window the latency percentiles are read over.
 LATENCY_WINDOW_S = 60.0
-#: What the peer column would say.
-PEER_NOTE = "BullMQ: no burst mode in the peer harness (bench-peers), so Sluice alone"
 
 #: The handler module the burst's worker processes run.
 WORKER_TARGET = "sluice.lab.burst:worker"
@@ -228,6 +228,14 @@ async def _latency(queue: Queue, n: int) -> tuple[dict[str, Any], float]:
         await asyncio.sleep(0.2)
 
 
+def peer_note(versions: Mapping[str, str] | None, unavailable: str) -> str:
+    """What the JSON and the table say about the BullMQ side: its versions, or why it did not run."""
+    if versions is not None:
+        pins = ", ".join(f"{pkg} {v}" for pkg, v in versions.items())
+        return f"BullMQ for Node ({pins}) on the same Redis, right after each Sluice run"
+    return f"Sluice alone, BullMQ not run: {unavailable}"
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Medians per burst size over the repetitions, in first-seen order."""
     groups: dict[int, list[dict[str, Any]]] = {}
@@ -256,27 +264,89 @@ def _median(values: list[Any]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+_SLUICE_COLOR = "#0969da"
+_PEER_COLOR = "#cf222e"
+
+
+def _draw_depth(ax: Any, runs: list[dict[str, Any]], color: str, label: str) -> None:
+    for i, r in enumerate(runs):
+        rows = r["timeline"]["rows"]
+        ms = [row[0] for row in rows]
+        first = i == 0
+        ax.plot(
+            ms,
+            [row[1] for row in rows],
+            color=color,
+            lw=1.2,
+            alpha=0.9,
+            label=f"{label} waiting" if first else None,
+        )
+        ax.plot(
+            ms,
+            [row[2] for row in rows],
+            color=color,
+            lw=0.8,
+            ls=":",
+            label=f"{label} active" if first else None,
+        )
+
+
+def _draw_bars(ax: Any, mine: Mapping[str, Any], theirs: Mapping[str, Any], ratio: Mapping[str, Any]) -> None:
+    """Drain time and end-to-end p95/p99 (medians), Sluice beside BullMQ, the ratio above each pair."""
+    labels = ["drain", "end to end p95", "end to end p99"]
+    sluice = [mine["drain_s"] * 1000, mine["end_to_end"]["p95"], mine["end_to_end"]["p99"]]
+    peer = [theirs["drain_s"] * 1000, theirs["end_to_end"]["p95"], theirs["end_to_end"]["p99"]]
+    factors = [ratio["drain_s"], ratio["end_to_end"]["p95"], ratio["end_to_end"]["p99"]]
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], sluice, width=0.4, color=_SLUICE_COLOR, label="Sluice")
+    ax.bar([x + 0.2 for x in xs], peer, width=0.4, color=_PEER_COLOR, label="BullMQ (Node)")
+    for x, a, b, f in zip(xs, sluice, peer, factors, strict=True):
+        if f is not None:
+            ax.annotate(
+                f"{f:.2f}x",
+                (x, max(a, b)),
+                ha="center",
+                va="bottom",
+                fontsize=9,
+                xytext=(0, 3),
+                textcoords="offset points",
+            )
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("ms (median of runs)")
+    ax.set_title("Sluice / BullMQ (under 1: Sluice less)", loc="left", fontsize=10)
+    ax.margins(y=0.15)
+    ax.grid(axis="y", color="#d0d7de", lw=0.6)
+    ax.set_axisbelow(True)
+    ax.legend(loc="upper left", fontsize=7, frameon=False)
+
+
 def write_plot(data: Mapping[str, Any], path: Path) -> Path:
-    """Waiting (solid) and active (dotted) depth against time since the add, one panel per burst size."""
+    """Waiting (solid) and active (dotted) depth over time per burst size; with BullMQ, both and the ratios.
+
+    With a BullMQ side the figure has a second row: drain time and end-to-end
+    p95/p99 of both queues as bars, each pair labelled with Sluice / BullMQ.
+    """
     from sluice.extras import require
 
     require("lab", "the burst plot", "matplotlib")
     from matplotlib.figure import Figure
 
+    peer = data.get("peer")
     sizes = list(dict.fromkeys(r["jobs"] for r in data["runs"]))
-    fig = Figure(figsize=(6.0 * len(sizes), 4.0), dpi=100, layout="constrained")
-    axes = fig.subplots(1, len(sizes), squeeze=False)[0]
-    colors = ("#0969da", "#1a7f37", "#bf8700", "#8250df", "#cf222e")
-    for ax, size in zip(axes, sizes, strict=True):
+    rows = 2 if peer else 1
+    fig = Figure(figsize=(6.0 * len(sizes), 4.0 * rows), dpi=100, layout="constrained")
+    axes = fig.subplots(rows, len(sizes), squeeze=False)
+    summary = {r["jobs"]: r for r in data["summary"]}
+    peer_summary = {r["jobs"]: r for r in peer["summary"]} if peer else {}
+    ratios = {r["jobs"]: r for r in data.get("ratios", [])}
+    for col, size in enumerate(sizes):
+        ax = axes[0][col]
         mine = [r for r in data["runs"] if r["jobs"] == size]
-        for i, r in enumerate(mine):
-            rows = r["timeline"]["rows"]
-            color = colors[i % len(colors)]
-            ms = [row[0] for row in rows]
-            ax.plot(ms, [row[1] for row in rows], color=color, lw=1.2, label=f"run {i + 1} waiting")
-            ax.plot(ms, [row[2] for row in rows], color=color, lw=0.8, ls=":", label=f"run {i + 1} active")
+        _draw_depth(ax, mine, _SLUICE_COLOR, "Sluice")
+        if peer:
+            _draw_depth(ax, [r for r in peer["runs"] if r["jobs"] == size], _PEER_COLOR, "BullMQ")
         ax.set_title(
-            f"{size:,} jobs at once, {mine[0]['processes']} x c={mine[0]['concurrency']}",
+            f"{size:,} jobs at once, {mine[0]['processes']} x c={mine[0]['concurrency']}, {len(mine)} run(s)",
             loc="left",
             fontsize=10,
         )
@@ -285,6 +355,11 @@ def write_plot(data: Mapping[str, Any], path: Path) -> Path:
         ax.grid(color="#d0d7de", lw=0.6)
         ax.set_axisbelow(True)
         ax.legend(loc="upper right", fontsize=7, frameon=False)
+        if peer:
+            if size in peer_summary and size in ratios:
+                _draw_bars(axes[1][col], summary[size], peer_summary[size], ratios[size])
+            else:
+                axes[1][col].set_axis_off()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", facecolor="white")
     return path
