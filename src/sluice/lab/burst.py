@@ -313,11 +313,11 @@ def _draw_bars(ax: Any, mine: Mapping[str, Any], theirs: Mapping[str, Any], rati
             )
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("ms (median of runs)")
-    ax.set_title("Sluice / BullMQ (under 1: Sluice less)", loc="left", fontsize=10)
-    ax.margins(y=0.15)
+    ax.set_title("Sluice / BullMQ above each pair (under 1: Sluice less)", loc="left", fontsize=10)
+    ax.set_ylim(0, max(*sluice, *peer) * 1.3)
     ax.grid(axis="y", color="#d0d7de", lw=0.6)
     ax.set_axisbelow(True)
-    ax.legend(loc="upper left", fontsize=7, frameon=False)
+    ax.legend(loc="upper left", fontsize=7, frameon=False, ncols=2)
 
 
 def write_plot(data: Mapping[str, Any], path: Path) -> Path:
