@@ -142,6 +142,10 @@ def test_the_same_burst_runs_on_bullmq_beside_sluice_and_the_ratios_come_from_bo
     assert lat["end_to_end"]["max"] <= run["drain_s"] * 1000 + 1_000  # stamped within the run
     assert run["peak_active"] <= 10 and 0 <= run["peak_waiting"] <= 100
     assert run["timeline"]["rows"][-1][3] == 100
+    since = run["since_add"]
+    assert (
+        0 <= since["p50"] <= since["p95"] <= since["p99"] <= run["drain_s"] * 1000 + 0.1
+    )  # drain_s is rounded
     # and each ratio is Sluice's median over BullMQ's
     (ratio,) = data["ratios"]
     mine, theirs = data["summary"][0], peer["summary"][0]
@@ -149,6 +153,8 @@ def test_the_same_burst_runs_on_bullmq_beside_sluice_and_the_ratios_come_from_bo
     if theirs["end_to_end"]["p99"] > 0:
         expected = mine["end_to_end"]["p99"] / theirs["end_to_end"]["p99"]
         assert ratio["end_to_end"]["p99"] == pytest.approx(expected, abs=1e-3)
+    expected = mine["since_add"]["p95"] / theirs["since_add"]["p95"]
+    assert ratio["since_add"]["p95"] == pytest.approx(expected, abs=1e-3)
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
@@ -214,3 +220,14 @@ def test_ratios_are_sluice_over_bullmq_per_burst_size() -> None:
     (r,) = ratios(mine, theirs)  # 5000 has no BullMQ row: no ratio
     assert r["jobs"] == 500 and r["drain_s"] == 0.5
     assert r["end_to_end"] == {"p95": 0.5, "p99": None}  # no ratio to a zero
+    assert r["since_add"] == {"p95": None, "p99": None}  # rows without it (older JSON): no ratio
+
+
+def test_since_add_reads_the_first_sample_at_which_enough_jobs_were_done() -> None:
+    from sluice.lab.burst import since_add
+
+    # [ms since the add, waiting, active, done] for 100 jobs
+    rows = [[0.0, 0, 0, 0], [10.0, 90, 10, 0], [20.0, 40, 10, 50], [30.0, 0, 5, 95], [40.0, 0, 0, 100]]
+    # rank floor(q * 99) + 1 jobs: 50 for p50, 95 for p95, 99 for p99
+    assert since_add(rows, 100) == {"p50": 20.0, "p95": 30.0, "p99": 40.0}
+    assert since_add(rows[:3], 100) == {"p50": 20.0, "p95": None, "p99": None}  # never reached

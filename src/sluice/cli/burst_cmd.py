@@ -184,7 +184,7 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-_METRICS = ("queue_wait", "processing", "end_to_end")
+_METRICS = ("queue_wait", "processing", "end_to_end", "since_add")
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
@@ -193,7 +193,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
         "-" if row["rate"] is None else f"{row['rate']:,.0f}",
         "-" if row["peak_waiting"] is None else f"{row['peak_waiting']:,.0f}",
         f"{row['lost_max']}/{row['duplicates_max']}",
-        *["/".join(_ms(row[m][q]) for q in ("p50", "p95", "p99")) for m in _METRICS],
+        *["/".join(_ms((row.get(m) or {}).get(q)) for q in ("p50", "p95", "p99")) for m in _METRICS],
     ]
 
 
@@ -211,16 +211,15 @@ def burst_table(data: dict[str, Any]) -> Table:
         caption=(
             f"{meta['peers']}. Drain: from the add to the last completion; depth sampled every "
             f"{meta['sample_interval_ms']:g} ms. Latency ms: Sluice from Queue.latency(60), within 1 %"
-            + (
-                "; BullMQ exact, from its job stamps (whole ms). Ratio: Sluice / BullMQ, < 1 is Sluice less."
-                if peer
-                else "."
-            )
+            + ("; BullMQ exact, from its job stamps (whole ms)" if peer else "")
+            + ". Since add: from the add call until that share of the jobs had counted themselves, "
+            "read off the samples (the same way for both)"
+            + (". Ratio: Sluice / BullMQ, under 1 is Sluice less." if peer else ".")
         ),
     )
     for col in ("jobs", "queue", "drain s", "jobs/s", "peak waiting", "lost/dup"):
         table.add_column(col, justify="left" if col == "queue" else "right")
-    for metric in ("wait", "processing", "end to end"):
+    for metric in ("wait", "processing", "end to end", "since add"):
         table.add_column(f"{metric} p50/p95/p99", justify="right")
     theirs = {row["jobs"]: row for row in peer["summary"]} if peer else {}
     ratios = {r["jobs"]: r for r in data.get("ratios", [])}
@@ -229,6 +228,6 @@ def burst_table(data: dict[str, Any]) -> Table:
         if row["jobs"] in theirs:
             table.add_row("", "BullMQ", *_cells(theirs[row["jobs"]]))
         if (ratio := ratios.get(row["jobs"])) is not None:
-            lat = ["-/" + "/".join(_x(ratio[m][q]) for q in ("p95", "p99")) for m in _METRICS]
+            lat = ["-/" + "/".join(_x((ratio.get(m) or {}).get(q)) for q in ("p95", "p99")) for m in _METRICS]
             table.add_row("", "ratio", _x(ratio["drain_s"]), "", "", "", *lat, end_section=True)
     return table

@@ -13,7 +13,10 @@ already serving when the burst arrives, as in production:
   like the throughput bench's job, so a lost or twice-run job shows;
 * after the drain, the latency percentiles are read from ``Queue.latency(60)``
   (the bins every worker flushes about once a second) until each metric
-  counts all N jobs.
+  counts all N jobs;
+* "since the add": the time from the add call until the k-th job counted
+  itself, read off the samples (:func:`since_add`), so to within a sampling
+  interval and the same for any queue, whatever it stamps its jobs with.
 
 The peer harness (bench-peers) has no burst mode, so the same burst on BullMQ
 for Node is :mod:`sluice.lab.burst_peer`'s, run right after each of these on
@@ -23,6 +26,7 @@ the same Redis when BullMQ is installed; :func:`write_plot` draws both.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import statistics
 import time
@@ -43,7 +47,7 @@ from sluice.lab.procs import WorkerGroup
 from sluice.lab.stats import rate
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from redis.asyncio import Redis
 
@@ -210,6 +214,7 @@ async def _burst(
         "lost_or_unfinished": max(0, n - total),
         "per_worker": final,
         "latency": latency,
+        "since_add": since_add(samples, n),
         "latency_flush_wait_s": latency_wait_s,
         "engine_counts": await queue.counts(),
         "timeline": {"columns": ["ms", "waiting", "active", "done"], "rows": samples},
@@ -236,6 +241,20 @@ def peer_note(versions: Mapping[str, str] | None, unavailable: str) -> str:
     return f"Sluice alone, BullMQ not run: {unavailable}"
 
 
+def since_add(rows: Sequence[Sequence[float]], n: int) -> dict[str, float | None]:
+    """p50/p95/p99 of the time from the add call to each job's completion, from the samples.
+
+    The q-quantile is the first sample (ms since the add) at which at least
+    ``floor(q * (n - 1)) + 1`` jobs had counted themselves: the same rank as
+    Sluice's sketch, late by at most one sampling interval. None: never reached.
+    """
+    out: dict[str, float | None] = {}
+    for name, q in (("p50", 0.50), ("p95", 0.95), ("p99", 0.99)):
+        need = math.floor(q * (n - 1)) + 1
+        out[name] = next((float(row[0]) for row in rows if row[3] >= need), None)
+    return out
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Medians per burst size over the repetitions, in first-seen order."""
     groups: dict[int, list[dict[str, Any]]] = {}
@@ -253,6 +272,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 q: _median([r["latency"]["metrics"][metric][q] for r in rs]) for q in ("p50", "p95", "p99")
             }
             row[metric]["counts"] = [r["latency"]["metrics"][metric]["count"] for r in rs]
+        row["since_add"] = {
+            q: _median([(r.get("since_add") or {}).get(q) for r in rs]) for q in ("p50", "p95", "p99")
+        }
         row["lost_max"] = max(r["lost_or_unfinished"] for r in rs)
         row["duplicates_max"] = max(r["duplicates"] for r in rs)
         rows.append(row)
@@ -292,11 +314,23 @@ def _draw_depth(ax: Any, runs: list[dict[str, Any]], color: str, label: str) -> 
 
 
 def _draw_bars(ax: Any, mine: Mapping[str, Any], theirs: Mapping[str, Any], ratio: Mapping[str, Any]) -> None:
-    """Drain time and end-to-end p95/p99 (medians), Sluice beside BullMQ, the ratio above each pair."""
-    labels = ["drain", "end to end p95", "end to end p99"]
-    sluice = [mine["drain_s"] * 1000, mine["end_to_end"]["p95"], mine["end_to_end"]["p99"]]
-    peer = [theirs["drain_s"] * 1000, theirs["end_to_end"]["p95"], theirs["end_to_end"]["p99"]]
-    factors = [ratio["drain_s"], ratio["end_to_end"]["p95"], ratio["end_to_end"]["p99"]]
+    """Drain time, end-to-end and since-the-add p95/p99 (medians), both queues, the ratio above each pair."""
+    keys = [
+        ("drain_s", ""),
+        ("end_to_end", "p95"),
+        ("end_to_end", "p99"),
+        ("since_add", "p95"),
+        ("since_add", "p99"),
+    ]
+    labels = ["drain", "end to end\np95", "end to end\np99", "since add\np95", "since add\np99"]
+
+    def value(row: Mapping[str, Any], key: str, q: str) -> float:
+        v = row[key] * 1000 if not q else (row.get(key) or {}).get(q)
+        return float(v) if v is not None else 0.0
+
+    sluice = [value(mine, k, q) for k, q in keys]
+    peer = [value(theirs, k, q) for k, q in keys]
+    factors = [ratio[k] if not q else (ratio.get(k) or {}).get(q) for k, q in keys]
     xs = range(len(labels))
     ax.bar([x - 0.2 for x in xs], sluice, width=0.4, color=_SLUICE_COLOR, label="Sluice")
     ax.bar([x + 0.2 for x in xs], peer, width=0.4, color=_PEER_COLOR, label="BullMQ (Node)")

@@ -23,7 +23,12 @@ from typing import Any
 
 __all__ = ["bursts_html", "find_bursts"]
 
-_METRICS = (("queue_wait", "queue wait"), ("processing", "processing"), ("end_to_end", "end to end"))
+_METRICS = (
+    ("queue_wait", "queue wait"),
+    ("processing", "processing"),
+    ("end_to_end", "end to end"),
+    ("since_add", "since the add"),
+)
 
 
 def find_bursts(folder: Path, given: Sequence[Path] = ()) -> list[Path]:
@@ -63,7 +68,7 @@ def _row(jobs: str, queue: str, row: Mapping[str, Any]) -> str:
     ]
     for key, _ in _METRICS:
         m = row.get(key) or {}
-        cells.append(" / ".join(_num(m.get(q), ",.1f") for q in ("p50", "p95", "p99")))
+        cells.append("/".join(_num(m.get(q), ",.1f") for q in ("p50", "p95", "p99")))
     return "<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>"
 
 
@@ -74,13 +79,13 @@ def _ratio_row(ratio: Mapping[str, Any]) -> str:
     cells = ["", "Sluice / BullMQ", x(ratio.get("drain_s")), "", "", ""]
     for key, _ in _METRICS:
         m = ratio.get(key) or {}
-        cells.append("- / " + " / ".join(x(m.get(q)) for q in ("p95", "p99")))
+        cells.append("-/" + "/".join(x(m.get(q)) for q in ("p95", "p99")))
     return '<tr class="ratio">' + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>"
 
 
 def _table(data: Mapping[str, Any]) -> str:
     head = ["jobs", "queue", "drain s", "jobs/s", "peak waiting", "lost/dup"]
-    head += [f"{label} p50 / p95 / p99 ms" for _, label in _METRICS]
+    head += [f"{label} ms p50/p95/p99" for _, label in _METRICS]
     peer = data.get("peer") or {}
     theirs = {r.get("jobs"): r for r in peer.get("summary") or []}
     ratios = {r.get("jobs"): r for r in data.get("ratios") or []}
@@ -94,7 +99,7 @@ def _table(data: Mapping[str, Any]) -> str:
             lines.append(_ratio_row(ratios[row["jobs"]]))
         bodies.append("<tbody>" + "".join(lines) + "</tbody>")
     th = "".join(f"<th>{_esc(h)}</th>" for h in head)
-    return f"<table><thead><tr>{th}</tr></thead>{''.join(bodies)}</table>"
+    return f'<table class="burst"><thead><tr>{th}</tr></thead>{"".join(bodies)}</table>'
 
 
 def _one(path: Path, base: Path) -> str:

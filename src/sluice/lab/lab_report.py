@@ -485,6 +485,11 @@ img { max-width: 100%; height: auto; border: 1px solid var(--line); border-radiu
 details { margin: .4rem 0 1rem; }
 details table { font-size: .82rem; }
 code { background: #f6f8fa; padding: .1rem .3rem; border-radius: 4px; }
+table.burst { font-size: .82rem; }
+table.burst th, table.burst td { padding: .22rem .5rem; }
+table.burst th { white-space: normal; vertical-align: bottom; }
+table.burst th:nth-child(2), table.burst td:nth-child(2) { text-align: left; }
+tr.ratio td { color: var(--muted); }
 """
 
 
