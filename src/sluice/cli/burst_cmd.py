@@ -95,8 +95,8 @@ def burst(
         "concurrency": concurrency,
         "work_ms": work_ms,
         "reps": reps,
+        "sample_interval_ms": SAMPLE_S * 1000,
     }
-    settings["sample_interval_ms"] = SAMPLE_S * 1000
     try:
         with bench_redis(redis) as (url, origin):
             if setup is not None:
