@@ -123,9 +123,15 @@ def test_lab_compare_reproduces_the_race_and_passes_its_checks(tmp_path: Path) -
     # Given no Redis URL, the lab starts a throw-away embedded server of its own
     env = {k: v for k, v in os.environ.items() if k != "SLUICE_REDIS_URL"}
     env["COLUMNS"] = "120"
+    # and two burst results: one in the output folder, one given with --burst
+    burst = {"meta": {}, "summary": [{"jobs": 7, "drain_s": 0.25, "rate": 28.0}]}
+    (tmp_path / "burst-in-out.json").write_text(json.dumps(burst))
+    given = tmp_path / "elsewhere" / "given.json"
+    given.parent.mkdir()
+    given.write_text(json.dumps(burst))
     # When all three modes run, as the README's first command does
     proc = subprocess.run(
-        [sys.executable, "-m", "sluice", "bench", "lab", "--out", str(tmp_path)],
+        [sys.executable, "-m", "sluice", "bench", "lab", "--out", str(tmp_path), "--burst", str(given)],
         capture_output=True,
         text=True,
         timeout=240,
@@ -135,7 +141,10 @@ def test_lab_compare_reproduces_the_race_and_passes_its_checks(tmp_path: Path) -
     # Then every check passes, and the table and both files are there
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all checks passed" in proc.stdout
-    assert (tmp_path / "lab-report.html").stat().st_size > 10_000
+    page = (tmp_path / "lab-report.html").read_text(encoding="utf-8")
+    assert len(page) > 10_000
+    assert "<h3>given.json</h3>" in page and "<h3>burst-in-out.json</h3>" in page
+    assert page.count("<td>7</td><td>Sluice</td><td>0.250</td><td>28</td>") == 2
     results = json.loads((tmp_path / "benchmark-results.json").read_text())
     assert [r["mode"] for r in results] == ["naive", "atomic", "admission"]
     by_mode = {r["mode"]: r for r in results}

@@ -358,3 +358,86 @@ def test_charts_leave_no_pyplot_behind(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "lab-report.html").exists()
+
+
+def burst_result(peer: bool = True) -> dict[str, Any]:
+    """A small ``sluice bench burst --json`` result: 500 jobs, Sluice and (optionally) BullMQ."""
+    from sluice.lab.burst import summarize
+    from sluice.lab.burst_peer import ratios
+
+    def run(drain: float, p: float) -> dict[str, Any]:
+        metric = {"count": 500, "p50": p, "p95": p * 2, "p99": p * 3, "max": p * 4}
+        rows = [[float(ms), max(0, 400 - ms), 100, min(500, ms * 2)] for ms in range(0, 260, 10)]
+        return {
+            "jobs": 500,
+            "processes": 2,
+            "concurrency": 50,
+            "drain_s": drain,
+            "rate": 500 / drain,
+            "peak_waiting": 400,
+            "add_s": 0.05,
+            "lost_or_unfinished": 0,
+            "duplicates": 0,
+            "latency": {"metrics": {m: metric for m in ("queue_wait", "processing", "end_to_end")}},
+            "timeline": {"columns": ["ms", "waiting", "active", "done"], "rows": rows},
+        }
+
+    data: dict[str, Any] = {
+        "meta": {"processes": 2, "concurrency": 50, "work_ms": 0, "reps": 1, "peers": "<b>note</b>"},
+        "summary": summarize([run(0.3, 100.0)]),
+        "runs": [run(0.3, 100.0)],
+    }
+    if peer:
+        theirs = summarize([run(0.6, 200.0)])
+        data["peer"] = {"name": "bullmq-node", "summary": theirs, "runs": [run(0.6, 200.0)]}
+        data["ratios"] = ratios(data["summary"], theirs)
+    return data
+
+
+def test_write_report_shows_burst_results_with_their_charts(tmp_path: Path) -> None:
+    import json
+
+    from sluice.lab.burst import write_plot
+    from sluice.lab.burst_report import find_bursts
+
+    # Given a burst result with its PNG in the lab's output folder, and one given from elsewhere
+    out = tmp_path / "lab"
+    out.mkdir()
+    inside = out / "burst-a.json"
+    inside.write_text(json.dumps(burst_result()))
+    write_plot(burst_result(), inside.with_suffix(".png"))
+    elsewhere = tmp_path / "results" / "burst-b.json"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(json.dumps(burst_result(peer=False)))
+    bursts = find_bursts(out, [elsewhere, inside])
+    assert bursts == [elsewhere, inside]  # given first, each once
+
+    # When the report is written
+    page = write_report(lab_results(), out, bursts).read_text(encoding="utf-8")
+
+    # Then it has a burst section with both files' figures, BullMQ's row and the ratios from the JSON
+    assert "<h2>Burst: N jobs at once</h2>" in page
+    assert "<h3>burst-a.json</h3>" in page and "<h3>burst-b.json</h3>" in page
+    assert page.count("<td>Sluice</td><td>0.300</td><td>1,667</td><td>400</td><td>0/0</td>") == 2
+    assert page.count("<td>BullMQ (Node)</td><td>0.600</td>") == 1  # burst-b ran Sluice alone
+    assert "<td>Sluice / BullMQ</td><td>0.50x</td>" in page
+    assert "<td>-/0.50x/0.50x</td>" in page
+    # the chart embedded byte for byte, and links relative to the report
+    images = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)" alt="burst-a', page)
+    assert [base64.b64decode(i) for i in images] == [inside.with_suffix(".png").read_bytes()]
+    assert '<a href="burst-a.png">' in page and '<a href="../results/burst-b.json">' in page
+    assert html.escape("<b>note</b>") in page and "<b>note</b>" not in page
+
+
+def test_write_report_without_bursts_has_no_burst_section_and_says_why_a_file_is_not_shown(
+    tmp_path: Path,
+) -> None:
+    from sluice.lab.burst_report import find_bursts
+
+    assert find_bursts(tmp_path / "missing") == []
+    page = write_report(lab_results(), tmp_path).read_text(encoding="utf-8")
+    assert "Burst" not in page
+    broken = tmp_path / "burst-broken.json"
+    broken.write_text('{"runs": []}')
+    page = write_report(lab_results(), tmp_path, find_bursts(tmp_path)).read_text(encoding="utf-8")
+    assert '<h3>burst-broken.json</h3><p class="note">Not shown: no &#x27;summary&#x27; list' in page

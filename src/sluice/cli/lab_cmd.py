@@ -44,6 +44,15 @@ def lab(
         Path, typer.Option(help="Directory for benchmark-results.json and lab-report.html.")
     ] = Path("lab-results"),
     report: Annotated[bool, typer.Option(help="Write the HTML report (with charts).")] = True,
+    burst: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A `sluice bench burst --json` file to show in the report with its PNG (repeatable); "
+            "burst*.json files in --out are shown too.",
+            exists=True,
+            dir_okay=False,
+        ),
+    ] = None,
     redis: RedisOpt = None,
 ) -> None:
     """Two worker processes under one budget, one rate limit and one concurrency ceiling.
@@ -57,6 +66,7 @@ def lab(
     the figures and the checks per mode.
     """
     from sluice.cli.bench_cmd import progress_bar
+    from sluice.lab.burst_report import find_bursts
     from sluice.lab.common import bench_redis, machine_meta
     from sluice.lab.lab import MODES, Workload, run_mode
     from sluice.lab.lab_report import lab_table, throttle_table, write_report
@@ -91,7 +101,7 @@ def lab(
     path.write_text(json.dumps(results, indent=1) + "\n")
     console.print(f"[dim]wrote {path}[/dim]")
     if report:
-        console.print(f"[dim]wrote {write_report(results, out)}[/dim]")
+        console.print(f"[dim]wrote {write_report(results, out, find_bursts(out, burst or []))}[/dim]")
     failed = [r["mode"] for r in results if not r["checks"]["allPassed"]]
     if failed:
         console.print(f"[red]checks failed in: {', '.join(failed)}[/red] (see the table above)")

@@ -13,14 +13,20 @@ already serving when the burst arrives, as in production:
   like the throughput bench's job, so a lost or twice-run job shows;
 * after the drain, the latency percentiles are read from ``Queue.latency(60)``
   (the bins every worker flushes about once a second) until each metric
-  counts all N jobs.
+  counts all N jobs;
+* "since the add": the time from the add call until the k-th job counted
+  itself, read off the samples (:func:`since_add`), so to within a sampling
+  interval and the same for any queue, whatever it stamps its jobs with.
 
-The peer harness (bench-peers) has no burst mode, so there is no BullMQ figure.
+The peer harness (bench-peers) has no burst mode, so the same burst on BullMQ
+for Node is :mod:`sluice.lab.burst_peer`'s, run right after each of these on
+the same Redis when BullMQ is installed; :func:`write_plot` draws both.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import statistics
 import time
@@ -41,7 +47,7 @@ from sluice.lab.procs import WorkerGroup
 from sluice.lab.stats import rate
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from redis.asyncio import Redis
 
@@ -53,8 +59,6 @@ SETTLE_S = 0.5
 LATENCY_WAIT_S = 10.0
 #: The window the latency percentiles are read over.
 LATENCY_WINDOW_S = 60.0
-#: What the peer column would say.
-PEER_NOTE = "BullMQ: no burst mode in the peer harness (bench-peers), so Sluice alone"
 
 #: The handler module the burst's worker processes run.
 WORKER_TARGET = "sluice.lab.burst:worker"
@@ -210,6 +214,7 @@ async def _burst(
         "lost_or_unfinished": max(0, n - total),
         "per_worker": final,
         "latency": latency,
+        "since_add": since_add(samples, n),
         "latency_flush_wait_s": latency_wait_s,
         "engine_counts": await queue.counts(),
         "timeline": {"columns": ["ms", "waiting", "active", "done"], "rows": samples},
@@ -226,6 +231,28 @@ async def _latency(queue: Queue, n: int) -> tuple[dict[str, Any], float]:
         if all(c >= n for c in counts) or time.monotonic() - t0 > LATENCY_WAIT_S:
             return window, round(time.monotonic() - t0, 2)
         await asyncio.sleep(0.2)
+
+
+def peer_note(versions: Mapping[str, str] | None, unavailable: str) -> str:
+    """What the JSON and the table say about the BullMQ side: its versions, or why it did not run."""
+    if versions is not None:
+        pins = ", ".join(f"{pkg} {v}" for pkg, v in versions.items())
+        return f"BullMQ for Node ({pins}) on the same Redis, right after each Sluice run"
+    return f"Sluice alone, BullMQ not run: {unavailable}"
+
+
+def since_add(rows: Sequence[Sequence[float]], n: int) -> dict[str, float | None]:
+    """p50/p95/p99 of the time from the add call to each job's completion, from the samples.
+
+    The q-quantile is the first sample (ms since the add) at which at least
+    ``floor(q * (n - 1)) + 1`` jobs had counted themselves: the same rank as
+    Sluice's sketch, late by at most one sampling interval. None: never reached.
+    """
+    out: dict[str, float | None] = {}
+    for name, q in (("p50", 0.50), ("p95", 0.95), ("p99", 0.99)):
+        need = math.floor(q * (n - 1)) + 1
+        out[name] = next((float(row[0]) for row in rows if row[3] >= need), None)
+    return out
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -245,6 +272,9 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 q: _median([r["latency"]["metrics"][metric][q] for r in rs]) for q in ("p50", "p95", "p99")
             }
             row[metric]["counts"] = [r["latency"]["metrics"][metric]["count"] for r in rs]
+        row["since_add"] = {
+            q: _median([(r.get("since_add") or {}).get(q) for r in rs]) for q in ("p50", "p95", "p99")
+        }
         row["lost_max"] = max(r["lost_or_unfinished"] for r in rs)
         row["duplicates_max"] = max(r["duplicates"] for r in rs)
         rows.append(row)
@@ -256,27 +286,101 @@ def _median(values: list[Any]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+_SLUICE_COLOR = "#0969da"
+_PEER_COLOR = "#cf222e"
+
+
+def _draw_depth(ax: Any, runs: list[dict[str, Any]], color: str, label: str) -> None:
+    for i, r in enumerate(runs):
+        rows = r["timeline"]["rows"]
+        ms = [row[0] for row in rows]
+        first = i == 0
+        ax.plot(
+            ms,
+            [row[1] for row in rows],
+            color=color,
+            lw=1.2,
+            alpha=0.9,
+            label=f"{label} waiting" if first else None,
+        )
+        ax.plot(
+            ms,
+            [row[2] for row in rows],
+            color=color,
+            lw=0.8,
+            ls=":",
+            label=f"{label} active" if first else None,
+        )
+
+
+def _draw_bars(ax: Any, mine: Mapping[str, Any], theirs: Mapping[str, Any], ratio: Mapping[str, Any]) -> None:
+    """Drain time, end-to-end and since-the-add p95/p99 (medians), both queues, the ratio above each pair."""
+    keys = [
+        ("drain_s", ""),
+        ("end_to_end", "p95"),
+        ("end_to_end", "p99"),
+        ("since_add", "p95"),
+        ("since_add", "p99"),
+    ]
+    labels = ["drain", "end to end\np95", "end to end\np99", "since add\np95", "since add\np99"]
+
+    def value(row: Mapping[str, Any], key: str, q: str) -> float:
+        v = row[key] * 1000 if not q else (row.get(key) or {}).get(q)
+        return float(v) if v is not None else 0.0
+
+    sluice = [value(mine, k, q) for k, q in keys]
+    peer = [value(theirs, k, q) for k, q in keys]
+    factors = [ratio[k] if not q else (ratio.get(k) or {}).get(q) for k, q in keys]
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], sluice, width=0.4, color=_SLUICE_COLOR, label="Sluice")
+    ax.bar([x + 0.2 for x in xs], peer, width=0.4, color=_PEER_COLOR, label="BullMQ (Node)")
+    for x, a, b, f in zip(xs, sluice, peer, factors, strict=True):
+        if f is not None:
+            ax.annotate(
+                f"{f:.2f}x",
+                (x, max(a, b)),
+                ha="center",
+                va="bottom",
+                fontsize=9,
+                xytext=(0, 3),
+                textcoords="offset points",
+            )
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("ms (median of runs)")
+    ax.set_title("Sluice / BullMQ above each pair (under 1: Sluice less)", loc="left", fontsize=10)
+    ax.set_ylim(0, max(*sluice, *peer) * 1.3)
+    ax.grid(axis="y", color="#d0d7de", lw=0.6)
+    ax.set_axisbelow(True)
+    ax.legend(loc="upper left", fontsize=7, frameon=False, ncols=2)
+
+
 def write_plot(data: Mapping[str, Any], path: Path) -> Path:
-    """Waiting (solid) and active (dotted) depth against time since the add, one panel per burst size."""
+    """Waiting (solid) and active (dotted) depth over time per burst size; with BullMQ, both and the ratios.
+
+    With a BullMQ side the figure has a second row: drain time and end-to-end
+    p95/p99 of both queues as bars, each pair labelled with Sluice / BullMQ.
+    """
     from sluice.extras import require
 
     require("lab", "the burst plot", "matplotlib")
     from matplotlib.figure import Figure
 
+    peer = data.get("peer")
     sizes = list(dict.fromkeys(r["jobs"] for r in data["runs"]))
-    fig = Figure(figsize=(6.0 * len(sizes), 4.0), dpi=100, layout="constrained")
-    axes = fig.subplots(1, len(sizes), squeeze=False)[0]
-    colors = ("#0969da", "#1a7f37", "#bf8700", "#8250df", "#cf222e")
-    for ax, size in zip(axes, sizes, strict=True):
+    rows = 2 if peer else 1
+    fig = Figure(figsize=(6.0 * len(sizes), 4.0 * rows), dpi=100, layout="constrained")
+    axes = fig.subplots(rows, len(sizes), squeeze=False)
+    summary = {r["jobs"]: r for r in data["summary"]}
+    peer_summary = {r["jobs"]: r for r in peer["summary"]} if peer else {}
+    ratios = {r["jobs"]: r for r in data.get("ratios", [])}
+    for col, size in enumerate(sizes):
+        ax = axes[0][col]
         mine = [r for r in data["runs"] if r["jobs"] == size]
-        for i, r in enumerate(mine):
-            rows = r["timeline"]["rows"]
-            color = colors[i % len(colors)]
-            ms = [row[0] for row in rows]
-            ax.plot(ms, [row[1] for row in rows], color=color, lw=1.2, label=f"run {i + 1} waiting")
-            ax.plot(ms, [row[2] for row in rows], color=color, lw=0.8, ls=":", label=f"run {i + 1} active")
+        _draw_depth(ax, mine, _SLUICE_COLOR, "Sluice")
+        if peer:
+            _draw_depth(ax, [r for r in peer["runs"] if r["jobs"] == size], _PEER_COLOR, "BullMQ")
         ax.set_title(
-            f"{size:,} jobs at once, {mine[0]['processes']} x c={mine[0]['concurrency']}",
+            f"{size:,} jobs at once, {mine[0]['processes']} x c={mine[0]['concurrency']}, {len(mine)} run(s)",
             loc="left",
             fontsize=10,
         )
@@ -285,6 +389,11 @@ def write_plot(data: Mapping[str, Any], path: Path) -> Path:
         ax.grid(color="#d0d7de", lw=0.6)
         ax.set_axisbelow(True)
         ax.legend(loc="upper right", fontsize=7, frameon=False)
+        if peer:
+            if size in peer_summary and size in ratios:
+                _draw_bars(axes[1][col], summary[size], peer_summary[size], ratios[size])
+            else:
+                axes[1][col].set_axis_off()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", facecolor="white")
     return path

@@ -485,6 +485,11 @@ img { max-width: 100%; height: auto; border: 1px solid var(--line); border-radiu
 details { margin: .4rem 0 1rem; }
 details table { font-size: .82rem; }
 code { background: #f6f8fa; padding: .1rem .3rem; border-radius: 4px; }
+table.burst { font-size: .82rem; }
+table.burst th, table.burst td { padding: .22rem .5rem; }
+table.burst th { white-space: normal; vertical-align: bottom; }
+table.burst th:nth-child(2), table.burst td:nth-child(2) { text-align: left; }
+tr.ratio td { color: var(--muted); }
 """
 
 
@@ -595,7 +600,7 @@ def _mode_html(result: Result, chart: str | None) -> str:
 _INSTALL_HINT = "pip install 'sluice-queue[lab]'"
 
 
-def _report_html(results: Sequence[Result], charts: Sequence[str] | None) -> str:
+def _report_html(results: Sequence[Result], charts: Sequence[str] | None, bursts: str = "") -> str:
     """The whole page as one string (pure: write_report only adds the file)."""
     note = ""
     if charts is None:
@@ -619,6 +624,7 @@ def _report_html(results: Sequence[Result], charts: Sequence[str] | None) -> str
             "<p>A job told by its provider to retry after a delay must pause and resume, "
             "not be counted as a failure.</p>",
             _throttle_html(results),
+            bursts,
             "<h2>Modes</h2>",
             '<p class="caption">Timeline: one row per job, grey while it waits in the queue, then coloured '
             "by the worker that ran it. Race-phase and overuse-phase rows are shaded; rejected jobs are "
@@ -629,9 +635,14 @@ def _report_html(results: Sequence[Result], charts: Sequence[str] | None) -> str
     )
 
 
-def write_report(results: Sequence[Result], out_dir: Path) -> Path:
-    """Write ``out_dir/lab-report.html``, one portable file (charts inlined), and return its path."""
-    page = _report_html(results, _charts(results))
+def write_report(results: Sequence[Result], out_dir: Path, bursts: Sequence[Path] = ()) -> Path:
+    """Write ``out_dir/lab-report.html``, one portable file (charts inlined), and return its path.
+
+    ``bursts``: ``sluice bench burst`` JSON files shown in a section of their own, each with its PNG.
+    """
+    from sluice.lab.burst_report import bursts_html
+
+    page = _report_html(results, _charts(results), bursts_html(bursts, out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / REPORT_NAME
     path.write_text(page, encoding="utf-8")
