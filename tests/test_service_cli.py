@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,6 +10,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,10 +79,28 @@ def test_sluice_dev_runs_everything_and_stops_it_and_finds_its_data_again(tmp_pa
             lambda: (r := httpx.get(f"{base}/jobs/{job['id']}").json())["status"] == "COMPLETED" and r
         )
         assert done["result"] == {"ok": True, "attempt": 1}  # type: ignore[index]
+        page = httpx.get(base + "/", follow_redirects=True)
+        assert page.status_code == 200 and '<meta name="sluice-auth" content="off">' in page.text
+        # A dashboard watching (its live stream open) does not hold the stop up
+        watching = threading.Event()
+
+        def watch() -> None:
+            with (
+                contextlib.suppress(httpx.HTTPError),  # the stop cuts it
+                httpx.stream("GET", base + "/v1/live", timeout=60) as stream,
+            ):
+                for _ in stream.iter_bytes():
+                    watching.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+        assert watching.wait(10)
     finally:
+        started = time.monotonic()
         out = _stop(proc)
     assert proc.returncode == 0, out
+    assert time.monotonic() - started < 30, "the stop waited for the open stream"
     assert "NO AUTHENTICATION" in out and f"curl -s -X POST {base}/jobs" in out
+    assert f"dashboard: {base}/dashboard/" in out
     assert _servers_of(tmp_path) == []  # Redis, PostgreSQL and the workers stopped with it
 
     # A second run on the same folder finds the job again

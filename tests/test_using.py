@@ -245,3 +245,18 @@ async def test_the_dockerfile(redis_url: str, redis: Redis, tmp_path: Path) -> N
     # The page's `docker run --stop-timeout 40`
     timeout = float(re.search(r"--stop-timeout (\d+)", DOC.read_text()).group(1))  # type: ignore[union-attr]
     await run_like_a_service_manager(cmd, env, app_dir(tmp_path), signal.Signals[stop], timeout, redis)
+
+
+def test_the_dashboard_mounts_in_an_app_of_your_own() -> None:
+    """The mount snippet runs as written, and the page it serves points at that API."""
+    from starlette.testclient import TestClient
+
+    namespace: dict[str, object] = {}
+    exec(compile(block("dashboard-mount"), "docs/using.md", "exec"), namespace)  # noqa: S102
+    with TestClient(namespace["app"]) as client:  # type: ignore[arg-type]
+        page = client.get("/sluice/")
+        assert page.status_code == 200
+        assert '<meta name="sluice-api" content="https://jobs.example.com">' in page.text
+        assert '<meta name="sluice-auth" content="required">' in page.text
+        assert "connect-src 'self' https://jobs.example.com;" in page.headers["content-security-policy"]
+        assert client.get("/sluice/static/app.js").status_code == 200

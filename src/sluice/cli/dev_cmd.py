@@ -26,6 +26,7 @@ from rich.markup import escape
 
 from sluice.cli.errors import CliFailure
 from sluice.cli.output import stderr, stdout
+from sluice.cli.serve_cmd import STOP_GRACE_SECONDS
 from sluice.cli.server import command_label, redis_url
 from sluice.engine.connection import redact
 from sluice.settings import ENV_DATABASE_URL, ENV_REDIS_URL, Settings
@@ -106,7 +107,14 @@ def dev(
         options: dict[str, object] = {"redis_url": rurl, "database_url": durl}
         settings = ServiceSettings(**options)  # type: ignore[arg-type]
         app = create_app(settings, auth=False)
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=STOP_GRACE_SECONDS,
+        )
         server = uvicorn.Server(config)
         base = f"http://127.0.0.1:{port}"
         stderr().print(
@@ -117,11 +125,12 @@ def dev(
         curl = f"curl -s -X POST {base}/jobs -H 'content-type: application/json' -d {shlex.quote(body)}"
         for label, value in (
             ("API", f"{base}  (docs {base}/docs, OpenAPI {base}/openapi.json)"),
+            ("dashboard", f"{base}/dashboard/"),
             ("Redis", redact(rurl)),
             ("Postgres", _redact_db(durl)),
             ("try", curl),
         ):
-            out.print(escape(f"{label + ':':<10}{value}"), soft_wrap=True)
+            out.print(escape(f"{label + ':':<11}{value}"), soft_wrap=True)
         proc = _workers(rurl, durl, workers, settings.queue) if workers else None
         try:
             # uvicorn handles Ctrl-C (a graceful stop), then raises it again: that is our exit.

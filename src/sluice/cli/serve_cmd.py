@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 ENV_DATABASE = "SLUICE_DATABASE_URL"
 #: prometheus-client's multiprocess directory (``sluice serve -p N`` sets its own).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: How long a stopping API waits for open requests (long ones: the dashboard's live streams).
+STOP_GRACE_SECONDS = 5
 
 keys_app = typer.Typer(
     help="API keys of the service: each is bound to a tenant, and sees only that tenant's jobs.",
@@ -113,6 +115,8 @@ def serve(
             workers=processes if processes > 1 else None,
             log_level="warning",
             access_log=False,
+            # Open dashboard streams (GET /v1/live) end at once rather than hold the stop.
+            timeout_graceful_shutdown=STOP_GRACE_SECONDS,
         )
     finally:
         if metrics_dir is not None:

@@ -13,7 +13,7 @@ of every settled reservation, whatever its windows (engine/budgets.py), so it
 measures what was spent, not the estimates held. Each API process samples its
 budgets every :data:`SAMPLE_SECONDS` into :class:`BurnTracker` and keeps
 :data:`HISTORY_SECONDS` of samples, so a dashboard opened now shows a rate at
-once; the rate is taken over the last :data:`RATE_SECONDS`.
+once; the rate is taken over the last :data:`RATE_SECONDS` (a minute).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ BUDGET_NAMES_SECONDS = 60.0
 SAMPLE_SECONDS = 5.0
 #: Samples kept per budget (seconds of history), and the span a rate is taken over.
 HISTORY_SECONDS = 600.0
-RATE_SECONDS = 300.0
+RATE_SECONDS = 60.0
 #: A rate needs samples at least this far apart.
 MIN_SPAN_SECONDS = 4.0
 _LIVE_STATES = ("waiting", "delayed", "parked", "active", "dead")

@@ -103,6 +103,6 @@ async def stats_series(
 @router.get("/budgets", responses=responses(403))
 async def budgets(svc: ServicesDep, who: AdminDep) -> dict[str, Any]:
     """Every budget the store knows (at most 100), as it stands, with its burn rate (tokens
-    charged per minute over the last 5 minutes this API process watched) and, at that rate,
+    charged per minute over the last minute this API process watched) and, at that rate,
     when it runs out (admin)."""
     return {"budgets": await live.read_budgets(svc)}

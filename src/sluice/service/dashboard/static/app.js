@@ -313,7 +313,7 @@
       gauge.firstChild.style.width = (frac * 100).toFixed(1) + "%";
       let runs = "-";
       if (b.runs_out === "now") runs = "exhausted";
-      else if (b.runs_out === "yes") runs = "in " + fmtIn(b.exhausts_at_ms - now);
+      else if (b.runs_out === "yes") runs = b.exhausts_at_ms - now < 1000 ? "any moment" : "in " + fmtIn(b.exhausts_at_ms - now);
       else if (b.runs_out === "after_reset") runs = "not before the window resets";
       else if (b.runs_out === "no") runs = "not at this rate";
       else runs = "measuring";
