@@ -68,6 +68,7 @@ CALLS: dict[str, Call] = {
     "Queue.ids": lambda q: q.ids(q_state_waiting()),
     "Queue.workers": lambda q: q.workers(),
     "Queue.latency": lambda q: q.latency(60),
+    "Queue.latency_series": lambda q: q.latency_series(300),
     "Queue.dead_letters": lambda q: q.dead_letters(),
     "Queue.redrive": lambda q: q.redrive(),
     "Queue.purge_dead": lambda q: q.purge_dead(),

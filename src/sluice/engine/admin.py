@@ -259,6 +259,7 @@ class QueueAdmin:
             start += len(keys)
         return LatencyWindow(window_seconds, RELATIVE_ACCURACY, out)
 
+    @reads
     async def latency_series(self, window_seconds: float = 300.0, *, now: int | None = None) -> LatencySeries:
         """Percentiles per bucket over the last ``window_seconds`` (up to 3,780): one point
         per 10 s up to 6 min, per minute above; what a chart of the tail over time needs.

@@ -106,36 +106,10 @@ def create_app(
             app.state.services = Services(
                 settings, auth, queue, db, store, KeyStore(db), gauge, limiter, ledger, intake
             )
-            if settings.sink:
-                consumer = f"{socket.gethostname()}:{os.getpid()}"
-                sink = TransitionSink(queue, db, consumer=consumer)
-                reconciler = Reconciler(
-                    queue,
-                    store,
-                    enqueue,
-                    grace=settings.reconcile_grace,
-                    interval=settings.reconcile_interval,
-                    ledger=ledger,
-                    lead=sink.lead,
-                )
-                # Failure patterns: one collector at a time too, in the process whose sink leads.
-                collector = PatternCollector(db, interval=settings.failure_collect_interval, lead=sink.lead)
-                tasks = [
-                    asyncio.create_task(sink.run(stop), name="sluice-sink"),
-                    asyncio.create_task(reconciler.run(stop), name="sluice-reconciler"),
-                    asyncio.create_task(ledger.run(stop), name="sluice-ledger"),
-                    asyncio.create_task(collector.run(stop), name="sluice-failure-patterns"),
-                    asyncio.create_task(
-                        SemanticCache(db, LocalEmbedder()).run_purge(
-                            stop, interval=settings.cache_purge_interval, lead=sink.lead
-                        ),
-                        name="sluice-cache-purge",
-                    ),
-                    # Budgets' burn rates (the dashboard, GET /v1/budgets): sampled in every process.
-                    asyncio.create_task(
-                        app.state.services.burn.run(app.state.services, stop), name="sluice-burn-rates"
-                    ),
-                ]
+            services: Services = app.state.services
+            tasks = _background(services, stop) if settings.sink else []
+            # Budgets' burn rates (the dashboard, GET /v1/budgets): sampled in every process.
+            tasks.append(asyncio.create_task(services.burn.run(services, stop), name="sluice-burn-rates"))
             # The tokenizer that counts llm-inference reservations loads in a thread, not on the
             # first submission's event loop (up to half a second).
             tasks.append(asyncio.create_task(_preload_tokenizer(settings), name="sluice-tokenizer"))
@@ -205,6 +179,33 @@ def create_app(
     _middleware(app, settings, fast_lane=fast_lane)
     app.state.services = None
     return app
+
+
+def _background(svc: Services, stop: asyncio.Event) -> list[asyncio.Task[None]]:
+    """The transition sink, the reconciler, the ledger's copier, the failure collector and the
+    cache's purge (the last three in the process whose sink leads)."""
+    settings, queue, db = svc.settings, svc.queue, svc.db
+    sink = TransitionSink(queue, db, consumer=f"{socket.gethostname()}:{os.getpid()}")
+    reconciler = Reconciler(
+        queue,
+        svc.store,
+        enqueue,
+        grace=settings.reconcile_grace,
+        interval=settings.reconcile_interval,
+        ledger=svc.ledger,
+        lead=sink.lead,
+    )
+    collector = PatternCollector(db, interval=settings.failure_collect_interval, lead=sink.lead)
+    purge = SemanticCache(db, LocalEmbedder()).run_purge(
+        stop, interval=settings.cache_purge_interval, lead=sink.lead
+    )
+    return [
+        asyncio.create_task(sink.run(stop), name="sluice-sink"),
+        asyncio.create_task(reconciler.run(stop), name="sluice-reconciler"),
+        asyncio.create_task(svc.ledger.run(stop), name="sluice-ledger"),
+        asyncio.create_task(collector.run(stop), name="sluice-failure-patterns"),
+        asyncio.create_task(purge, name="sluice-cache-purge"),
+    ]
 
 
 def _dashboard(app: FastAPI, *, auth: bool) -> None:

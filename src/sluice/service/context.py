@@ -49,6 +49,8 @@ class Services:
     metrics_cache: dict[str, Any] = field(default_factory=dict)
     #: budgets' charged counters sampled over time: their burn rates (``live.py``)
     burn: BurnTracker = field(default_factory=BurnTracker)
+    #: live streams open now (``routes_live.py``)
+    live_streams: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,12 @@ async def caller(
             svc.key_cache.clear()
         svc.key_cache[hashed] = (found, time.monotonic())
     return await authorize(svc, hashed, found, request.scope.setdefault("state", {}))
+
+
+async def caller_again(request: Request, svc: Services) -> Caller:
+    """The caller of a long request again, from its headers: a key revoked (401), or past its
+    rate limit (429), since the request began raises ApiError."""
+    return await caller(request, svc, await _bearer(request), await _api_key(request))
 
 
 def cached_key(svc: Services, hashed: str) -> tuple[bool, ApiKey | None]:

@@ -10,6 +10,7 @@ figures are open to any key, as ``GET /v1/queue`` is; budgets only to an admin.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -21,13 +22,19 @@ from pydantic import BaseModel
 
 from sluice.errors import SluiceError
 from sluice.service import live
-from sluice.service.context import AdminDep, CallerDep, Services, ServicesDep
-from sluice.service.errors import responses
+from sluice.service.context import AdminDep, Caller, CallerDep, Services, ServicesDep, caller_again
+from sluice.service.errors import ApiError, responses
+
+log = logging.getLogger("sluice.service")
 
 router = APIRouter(prefix="/v1", tags=["operations"], responses=responses(401, 429, 503))
 
 #: How long one live stream lasts before the server ends it (the client reconnects).
 STREAM_SECONDS = 300.0
+#: How often a stream checks its key again (a key revoked or no longer admin ends it).
+RECHECK_SECONDS = 30.0
+#: Live streams one API process serves at once; more get 429.
+MAX_STREAMS = 200
 
 
 class MeOut(BaseModel):
@@ -48,19 +55,33 @@ def _event(name: str, data: Any) -> bytes:
 
 
 async def _stream(
-    request: Request, svc: Services, who: Any, interval: float, seconds: float
+    request: Request, svc: Services, who: Caller, interval: float, seconds: float
 ) -> AsyncIterator[bytes]:
     previous: dict[str, Any] | None = None
-    end = time.monotonic() + seconds
-    yield b"retry: 2000\n\n"
-    while time.monotonic() < end and not await request.is_disconnected():
-        try:
-            previous = await live.snapshot(svc, who, previous)
-            yield _event("snapshot", previous)
-        except (SluiceError, OSError, ConnectionError) as exc:
-            previous = None
-            yield _event("unavailable", {"message": f"the queue cannot be read now: {exc}"})
-        await asyncio.sleep(interval)
+    started = time.monotonic()
+    checked = started
+    svc.live_streams += 1
+    try:
+        yield b"retry: 2000\n\n"
+        while time.monotonic() - started < seconds and not await request.is_disconnected():
+            if time.monotonic() - checked >= RECHECK_SECONDS:
+                checked = time.monotonic()
+                try:
+                    again = await caller_again(request, svc)
+                except ApiError:
+                    return  # revoked, or past its rate limit: the client reconnects and is told
+                if again != who:
+                    return
+            try:
+                previous = await live.snapshot(svc, who, previous)
+                yield _event("snapshot", {k: v for k, v in previous.items() if not k.startswith("_")})
+            except (SluiceError, OSError, ConnectionError) as exc:
+                previous = None
+                log.warning("live: the queue could not be read (%s)", exc)
+                yield _event("unavailable", {"message": "the queue's Redis is unavailable; retrying"})
+            await asyncio.sleep(interval)
+    finally:
+        svc.live_streams -= 1
 
 
 @router.get(
@@ -72,14 +93,19 @@ async def live_stream(
     request: Request,
     svc: ServicesDep,
     who: CallerDep,
-    interval: Annotated[float, Query(ge=0.2, le=60, description="Seconds between snapshots")] = 1.0,
+    interval: Annotated[float, Query(ge=0.5, le=60, description="Seconds between snapshots")] = 1.0,
     seconds: Annotated[
         float, Query(gt=0, le=STREAM_SECONDS, description="How long the stream lasts")
     ] = STREAM_SECONDS,
 ) -> StreamingResponse:
     """The queue live, as Server-Sent Events: a ``snapshot`` event every ``interval`` with the
     jobs per state, cumulative totals and their rates per second, the flow gates, pressure,
-    workers and (admin) budgets with burn rates; ``unavailable`` while Redis cannot be read."""
+    workers and (admin) budgets with burn rates; ``unavailable`` while Redis cannot be read.
+    A key revoked meanwhile ends the stream within RECHECK_SECONDS."""
+    if svc.live_streams >= MAX_STREAMS:
+        raise ApiError(
+            429, f"this API process serves {MAX_STREAMS} live streams already", headers={"Retry-After": "5"}
+        )
     return StreamingResponse(
         _stream(request, svc, who, interval, seconds),
         media_type="text/event-stream",
@@ -103,6 +129,5 @@ async def stats_series(
 @router.get("/budgets", responses=responses(403))
 async def budgets(svc: ServicesDep, who: AdminDep) -> dict[str, Any]:
     """Every budget the store knows (at most 100), as it stands, with its burn rate (tokens
-    charged per minute over the last minute this API process watched) and, at that rate,
-    when it runs out (admin)."""
-    return {"budgets": await live.read_budgets(svc)}
+    charged per minute over the last minute) and, at that rate, when it runs out (admin)."""
+    return {"budgets": await svc.burn.sample(svc)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -31,7 +32,7 @@ STATIC = Path(__file__).parent / "static"
 
 #: The page may load scripts and styles from itself only, and talk to itself and the API.
 _CSP = (
-    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:; "
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self' {api}; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 
@@ -46,7 +47,11 @@ def create_dashboard(api_base: str = "..", *, auth: bool | None = None) -> Starl
     page = (STATIC / "index.html").read_text(encoding="utf-8")
     page = page.replace("{{API_BASE}}", html.escape(api_base, quote=True))
     page = page.replace("{{AUTH}}", {True: "required", False: "off", None: "unknown"}[auth])
-    connect = api_base if api_base.startswith(("http://", "https://")) else ""
+    # A source with a path matches that path only: the API's origin, then.
+    connect = ""
+    if api_base.startswith(("http://", "https://")):
+        parts = urlsplit(api_base)
+        connect = f"{parts.scheme}://{parts.netloc}"
     headers = {
         "Content-Security-Policy": _CSP.format(api=connect).replace("  ", " "),
         "X-Content-Type-Options": "nosniff",

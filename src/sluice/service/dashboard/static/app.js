@@ -14,11 +14,14 @@
   let me = null;
   let last = null;
   let liveAbort = null;
+  let stopped = false; // signed out or refused: the loops end
   const rates = [[], [], [], []]; // time, added, completed, failed
   let ratesChart = null;
   let latencyChart = null;
   let deadCursor = null;
+  let analysing = 0; // analyses in progress: the patterns table is not rebuilt under them
   let jobsCursor = null;
+  let jobsQuery = {}; // the search the cursor belongs to
 
   const $ = (sel) => document.querySelector(sel);
   const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
@@ -84,22 +87,23 @@
   // ---- sign in ----------------------------------------------------------------------------------
   function showLogin(message) {
     if (liveAbort) liveAbort.abort();
+    stopped = true;
     $("#main").hidden = true;
     $("#login").hidden = false;
     $("#login-error").textContent = message || "";
     $("#sign-out").hidden = true;
   }
 
+  // A new key, or none, starts a new page: nothing of the last key's view stays behind.
   $("#login-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
-    key = $("#key").value.trim();
-    sessionStorage.setItem(KEY_ITEM, key);
-    start();
+    sessionStorage.setItem(KEY_ITEM, $("#key").value.trim());
+    $("#key").value = "";
+    location.reload();
   });
   $("#sign-out").addEventListener("click", () => {
     sessionStorage.removeItem(KEY_ITEM);
-    key = "";
-    showLogin("");
+    location.reload();
   });
 
   async function start() {
@@ -187,7 +191,7 @@
     }
     if (!data.length) return;
     const payload = JSON.parse(data.join("\n"));
-    if (event === "snapshot") { banner(""); onSnapshot(payload); }
+    if (event === "snapshot") { setConn("live"); banner(""); onSnapshot(payload); }
     else if (event === "unavailable") { setConn("down"); banner(payload.message); }
   }
 
@@ -240,10 +244,13 @@
     }
   }
 
+  let latencySeq = 0;
   async function loadLatency() {
+    const seq = ++latencySeq;
     const metric = $("#lat-metric").value;
-    const window = Number($("#lat-window").value);
-    const [series, stats] = await Promise.all([api("v1/stats/series", { params: { window } }), api("v1/stats")]);
+    const span = Number($("#lat-window").value);
+    const [series, stats] = await Promise.all([api("v1/stats/series", { params: { window: span } }), api("v1/stats")]);
+    if (seq !== latencySeq) return; // a newer choice asked again meanwhile
     const pts = series.metrics[metric];
     const data = [series.starts_ms.map((t) => t / 1000), pts.map((p) => p.p50), pts.map((p) => p.p95), pts.map((p) => p.p99)];
     if (typeof uPlot !== "undefined") {
@@ -271,7 +278,7 @@
   }
 
   async function latencyLoop() {
-    for (;;) {
+    while (!stopped) {
       if (!$("#main").hidden && !$("#tab-overview").hidden) {
         try { await loadLatency(); } catch (e) { if (e.status === 401) return; }
       }
@@ -303,7 +310,10 @@
   function renderBudgets(budgets) {
     const body = $("#budgets-table tbody");
     body.replaceChildren();
-    if (!budgets) return;
+    if (!budgets) {
+      if (me && me.admin) body.append(el("tr", {}, el("td", { colspan: 7, class: "muted" }, "Reading the budgets...")));
+      return;
+    }
     if (!budgets.length) { body.append(el("tr", {}, el("td", { colspan: 7, class: "muted" }, "No budgets yet."))); return; }
     const now = Date.now();
     for (const b of budgets) {
@@ -343,9 +353,9 @@
 
   // Patterns again every 15 s while the tab shows (the dead list keeps its ticked boxes).
   async function patternsLoop() {
-    for (;;) {
+    while (!stopped) {
       await sleep(15000);
-      if (!$("#main").hidden && !$("#tab-failures").hidden) {
+      if (!$("#main").hidden && !$("#tab-failures").hidden && !analysing) {
         try { renderPatterns((await api("v1/failures/patterns", { params: { limit: 50 } })).patterns); } catch (_) { /* next time */ }
       }
     }
@@ -375,6 +385,7 @@
 
   async function analyze(id, cell) {
     cell.replaceChildren("analysing...");
+    analysing++;
     try {
       let r = await api(`v1/failures/patterns/${encodeURIComponent(id)}/analysis`, { method: "POST", body: {} });
       for (let i = 0; i < 60 && r.state === "pending"; i++) {
@@ -387,6 +398,7 @@
       if (r.analysis) cell.append(el("div", {}, r.analysis.root_cause), el("div", { class: "muted" }, r.analysis.fix));
       else cell.append("still pending: look again later");
     } catch (e) { cell.replaceChildren(el("span", { class: "error" }, e.message)); }
+    finally { analysing--; }
   }
 
   function appendDead(page) {
@@ -438,7 +450,8 @@
         openJob(id);
         return;
       }
-      const page = await api("v1/jobs", { params: { status: $("#search-status").value, type: $("#search-type").value.trim(), limit: 50, cursor: more ? jobsCursor : null } });
+      if (!more) jobsQuery = { status: $("#search-status").value, type: $("#search-type").value.trim(), limit: 50 };
+      const page = await api("v1/jobs", { params: { ...jobsQuery, cursor: more ? jobsCursor : null } });
       if (!more) body.replaceChildren();
       for (const j of page.jobs) body.append(jobRow(j));
       if (!body.children.length) body.append(el("tr", {}, el("td", { colspan: 6, class: "muted" }, "No jobs match.")));
