@@ -16,7 +16,15 @@ import orjson
 from sluice.engine.clock import queue_now_ms
 from sluice.engine.job import JobRecord, JobState
 from sluice.engine.keys import check_job_id
-from sluice.engine.sketch import METRICS, RELATIVE_ACCURACY, Percentiles, bucket_keys, merge, summarize
+from sluice.engine.sketch import (
+    METRICS,
+    RELATIVE_ACCURACY,
+    Percentiles,
+    bucket_keys,
+    merge,
+    short_name,
+    summarize,
+)
 from sluice.engine.transport import reads, writes
 from sluice.errors import InvalidJobError, JobNotFound, JobStateError
 
@@ -46,6 +54,9 @@ COUNTERS = (
     "unknown_outcome",
     "overrun",
 )
+
+#: The dispatch script's gates, as its refusals are counted (``refused:<gate>`` in stats).
+GATES = ("paused", "throttled", "concurrency", "rate", "token_rate", "budget")
 
 #: Ids per redrive / purge script call: bounded work per call.
 ADMIN_CHUNK = 500
@@ -225,6 +236,24 @@ class QueueAdmin:
             out[metric] = summarize(merge(raw[start : start + len(keys)]))
             start += len(keys)
         return LatencyWindow(window_seconds, RELATIVE_ACCURACY, out)
+
+    @reads
+    async def refusals(self) -> dict[str, int]:
+        """Dispatch calls each gate refused since the queue began (one per gate per call,
+        however many jobs it turned away): paused, throttled, concurrency, rate,
+        token_rate (the token-rate window), budget (a budget rejected or parked a job)."""
+        raw = await self.redis.hmget(self.keys.stats, [f"refused:{gate}" for gate in GATES])
+        return {gate: int(v or 0) for gate, v in zip(GATES, raw, strict=True)}
+
+    @reads
+    async def latency_totals(self) -> dict[str, dict[str, int]]:
+        """Every latency metric's cumulative bins since the queue began (engine/sketch.py):
+        queue_wait, processing, end_to_end -> {bin: count}."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for metric in METRICS:
+                pipe.hgetall(self.keys.latency_total(short_name(metric)))
+            raw: list[dict[bytes, bytes]] = await pipe.execute()
+        return {metric: merge([h]) for metric, h in zip(METRICS, raw, strict=True)}
 
     async def dead_letters(self, offset: int = 0, limit: int = 100) -> list[JobRecord]:
         """Dead-lettered jobs, oldest first, with their last error."""

@@ -39,8 +39,9 @@ from sluice.engine.queue import Queue
 from sluice.errors import BudgetNotFound, ConfigurationError, MissingExtra, PermanentError, Throttled
 from sluice.llm.cache import CachePolicy, SemanticCache, cache_scope
 from sluice.llm.pricing import to_micro_usd, worst_case_cost
-from sluice.llm.provider import Message, Provider, ProviderRejected, ProviderUnavailable
+from sluice.llm.provider import Message, Provider, ProviderRejected, ProviderUnavailable, Usage
 from sluice.llm.tokens import count_prompt_tokens, estimate_prompt_tokens
+from sluice.probes import probe
 from sluice.settings import environment
 
 if TYPE_CHECKING:
@@ -328,14 +329,19 @@ class LLMRuntime:
         async def call() -> dict[str, Any]:
             if before_call is not None:
                 await before_call(provider, model)
-            answer = await provider.complete(
-                request.messages,
-                model=model,
-                max_tokens=request.max_tokens,
-                temperature=request.temperature,
-                idempotency_key=idempotency_key,
-            )
+            try:
+                answer = await provider.complete(
+                    request.messages,
+                    model=model,
+                    max_tokens=request.max_tokens,
+                    temperature=request.temperature,
+                    idempotency_key=idempotency_key,
+                )
+            except Exception as exc:
+                probe().provider_call(provider.name, model, _call_outcome(exc))
+                raise
             usage = answer.usage
+            _observe_answer(provider.name, model, usage, answer.cost)
             return {
                 "response": answer.text,
                 "model": answer.model,
@@ -352,6 +358,7 @@ class LLMRuntime:
             }
 
         if self.cache is None or not request.cache.enabled:
+            probe().cache_lookup("bypass")
             return {**await call(), "cacheHit": False}
         overrides: dict[str, Any] = {}
         if request.cache.threshold is not None:
@@ -368,6 +375,7 @@ class LLMRuntime:
         response, hit = await self.cache.through(
             request.tenant, scope, request.messages[-1]["content"], call, policy=policy
         )
+        probe().cache_lookup("miss" if hit is None else "exact_hit" if hit.exact else "semantic_hit")
         if hit is None:
             return {**response, "cacheHit": False}
         # This job spent nothing: its usage and cost are zero; what the answer cost when it was
@@ -396,6 +404,28 @@ class LLMRuntime:
             await self.cache.aclose()
         for close in self.closers:
             await close()
+
+
+def _call_outcome(exc: Exception) -> str:
+    """A failed provider call as ``sluice_provider_calls_total`` names it."""
+    if isinstance(exc, Throttled):
+        return "throttled"
+    if isinstance(exc, ProviderUnavailable):
+        return "unavailable"
+    if isinstance(exc, ProviderRejected):
+        return "rejected"
+    return "error"
+
+
+def _observe_answer(provider: str, model: str, usage: Usage, cost: float | None) -> None:
+    listener = probe()
+    listener.provider_call(provider, model, "ok")
+    # prompt_tokens include the cached part; 'prompt' counts the rest, so the kinds add up.
+    listener.tokens(provider, model, "prompt", max(usage.prompt_tokens - usage.cached_tokens, 0))
+    listener.tokens(provider, model, "completion", usage.completion_tokens)
+    listener.tokens(provider, model, "cached", usage.cached_tokens)
+    if cost is not None:
+        listener.cost(provider, model, cost)
 
 
 def _policy_fields(policy: CachePolicy) -> dict[str, Any]:

@@ -105,6 +105,7 @@ out[at + 1] = now
 out[at + 2] = epoch
 local taken, wait = take_jobs(K, G, now, max_jobs, tonumber(ARGV[3]), ARGV[4], out, C)
 flush_counts(K.stats, C)
+count_refusals(K, G, max_jobs)
 -- Wake another worker only if the queue is open: a refused worker learns
 -- when to come back (next_due), and a freed slot wakes one through the
 -- finishing worker's own call. A caller that takes nothing hands the wake-up on.
