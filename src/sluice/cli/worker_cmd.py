@@ -26,6 +26,9 @@ from sluice.extras import require
 from sluice.settings import ENV_METRICS_PORT, ENV_REDIS_URL
 from sluice.settings import ENV_WORKER_METRICS_DIR as ENV_HANDOFF
 
+#: prometheus-client's multiprocess directory (service/multiproc.py).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
 if TYPE_CHECKING:
     from sluice.service.worker_metrics import Collected
 SETTINGS = "Worker settings (default: as the Worker object in your code sets them)"
@@ -182,6 +185,11 @@ def worker(
     )
     handoff = os.environ.get(ENV_HANDOFF) or None
     if metrics_port is not None or handoff is not None:
+        # prometheus-client picks its mode at import, which require() does: choose it first.
+        if handoff is not None and processes == 1:
+            os.environ[MULTIPROC_ENV] = handoff
+        else:
+            os.environ.pop(MULTIPROC_ENV, None)
         try:
             require("service", "--metrics-port", "prometheus_client")
         except MissingExtra as exc:

@@ -271,7 +271,11 @@ end
 
 local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
   local wait = queue_wait(K, G, now)
-  if max_jobs <= 0 or wait ~= 0 then return 0, wait end
+  if max_jobs <= 0 or wait ~= 0 then
+    -- A closed gate refuses nothing while nothing waits.
+    if wait ~= 0 and redis.call('EXISTS', K.waiting) == 0 then G.refused = {} end
+    return 0, wait
+  end
   local taken, examined = 0, 0
   local deadline = now + lease_ms
   -- Without a queue-wide limit nothing can stop the step half way, so the
