@@ -10,6 +10,9 @@ import math
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,7 +28,7 @@ from sluice.engine.sketch import GAMMA, HISTOGRAM_EDGES, LatencyRecorder, histog
 from sluice.testing.embedded import free_port
 from sluice.testing.provider import ProviderLimits, serve_provider
 from tests.conftest import eventually
-from tests.proc_harness import WorkerProcs, open_gate
+from tests.proc_harness import REPO, WorkerProcs, open_gate
 from tests.service_harness import Running, running_service
 from tests.stepping import step
 
@@ -345,3 +348,33 @@ async def _run(api: Running, payload: dict[str, Any]) -> dict[str, Any]:
     assert row.status == "COMPLETED", row.error
     result: dict[str, Any] = row.result
     return result
+
+
+# ---- a port that is taken --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_taken_metrics_port_is_one_line_that_says_what_to_do(
+    redis_url: str, prefix: str, tmp_path: Path, processes: str
+) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {
+        **os.environ,
+        "SLUICE_TEST_REDIS": redis_url,
+        "SLUICE_TEST_PREFIX": prefix,
+        "TMPDIR": str(scratch),
+    }
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))  # noqa: S104 - where the worker would listen
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [sys.executable, "-m", "sluice", "worker", "tests.proc_workers:worker"]
+        argv += ["--redis", redis_url, "--processes", processes, "--metrics-port", str(port)]
+        done = subprocess.run(
+            argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+    assert done.returncode == 1, done.stderr
+    assert f"cannot serve metrics on port {port}" in done.stderr and "--metrics-port" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert list(scratch.iterdir()) == []  # the supervisor's folder is removed
