@@ -4,7 +4,8 @@
 -- dispatch step after it may fill.
 --
 -- KEYS[1] waiting   KEYS[2] delayed   KEYS[3] active   KEYS[4] events
--- KEYS[5] stats     KEYS[6] wake      KEYS[7] job key prefix   KEYS[8] dead
+-- KEYS[5] stats (the cumulative counters, and refused:<gate>: see count_refusals)
+-- KEYS[6] wake      KEYS[7] job key prefix   KEYS[8] dead
 -- KEYS[9 .. 15]     flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
 -- KEYS[16] calls    (hash: worker id -> its last call's request id, codes and leases)
 -- KEYS[17] epoch    (string: the queue's epoch, made here if missing)
