@@ -8,16 +8,20 @@ Two kinds of series, from two places:
   over jobs: the live states' sizes and the cumulative ``stats`` hash (``Queue.counts``),
   the flow gates (``Queue.flow``), the workers' heartbeats, the held-reservations index's
   size, the pressure gauge's last reading, and at most ``MAX_BUDGETS`` budgets (the ones
-  the store's ledger copies; their names are read from PostgreSQL once a minute).
+  the store's ledger copies; their names are read from PostgreSQL once a minute). Also
+  the refusals by gate the dispatch script counts (``Queue.refusals``) and the latency
+  histograms folded from every worker's cumulative bins (``Queue.latency_totals``,
+  ``sketch.histogram``).
 * **Per-process** (``sluice_api_*``): requests by route and status, their latency,
   submissions by outcome and the intake's batches, counted by :class:`Instrument` (an
   ASGI middleware outside everything else: FastAPI's routes and the fast lane alike).
   Under ``sluice serve -p N`` these use prometheus-client's multiprocess mode:
   ``sluice serve`` gives its uvicorn workers a fresh ``PROMETHEUS_MULTIPROC_DIR`` (and
   removes it at exit), every process writes its values there, and the process that
-  answers a scrape adds them all up (``MultiProcessCollector``). Without that variable
-  (one process: ``sluice serve -p 1``, ``sluice dev``, tests) they live in an ordinary
-  registry of the process.
+  answers a scrape adds them all up (``MultiProcessCollector``). ``sluice dev`` sets it
+  too, and hands the same directory to its workers, so their series (worker_metrics.py)
+  appear here as well. Without that variable (one process: ``sluice serve -p 1``, tests)
+  they live in an ordinary registry of the process.
 
 prometheus-client decides between the two when it is first imported, from the
 environment; this module is imported with the app, after ``sluice serve`` set it.
