@@ -101,6 +101,8 @@ def dev(
     expose this port; `sluice serve` is for anything else. Built-in job types:
     generic, email (send_email), llm-inference (the provider SLUICE_LLM_PROVIDER names,
     else an offline stand-in model; with the semantic cache). Ctrl-C stops it all.
+
+    GET /metrics with Accept: text/plain shows the API's and the workers' Prometheus series.
     """
     # One metrics directory for the API (this process) and the workers: GET /metrics shows
     # both. Set before prometheus-client is first imported (with the app), which reads it then.
