@@ -160,6 +160,9 @@ def worker(
     # Stopped before it serves: nothing runs yet, so that is a clean stop (exit 0), which is
     # what a service manager stopping a unit that is still starting should see.
     signal.signal(signal.SIGTERM, _stopped_before_start)
+    # Before the Worker's module is imported: prometheus-client picks its mode when first
+    # imported (by that module too, if it uses it), from PROMETHEUS_MULTIPROC_DIR.
+    handoff = _metrics_mode(metrics_port, processes)
     try:
         w = load_worker(target)
     except ConfigurationError as exc:
@@ -183,17 +186,6 @@ def worker(
         timeout=timeout,
         hard_grace=hard_grace,
     )
-    handoff = os.environ.get(ENV_HANDOFF) or None
-    if metrics_port is not None or handoff is not None:
-        # prometheus-client picks its mode at import, which require() does: choose it first.
-        if handoff is not None and processes == 1:
-            os.environ[MULTIPROC_ENV] = handoff
-        else:
-            os.environ.pop(MULTIPROC_ENV, None)
-        try:
-            require("service", "--metrics-port", "prometheus_client")
-        except MissingExtra as exc:
-            raise CliFailure(str(exc)) from None
     with redis_url(redis, stderr()) as url:
         if processes > 1:
             code = _supervise(target, processes, url, settings, worker_id, debug_flag(ctx), metrics_port)
@@ -211,6 +203,23 @@ def worker(
             worker_id=w.worker_id,
         )
         run(w.run(url))
+
+
+def _metrics_mode(port: int | None, processes: int) -> str | None:
+    """Choose prometheus-client's mode for this process, and check that it is installed;
+    returns the directory a supervisor or ``sluice dev`` handed over (None: none)."""
+    handoff = os.environ.get(ENV_HANDOFF) or None
+    if port is None and handoff is None:
+        return None
+    if handoff is not None and processes == 1:
+        os.environ[MULTIPROC_ENV] = handoff  # a child: its values go to the shared folder
+    else:
+        os.environ.pop(MULTIPROC_ENV, None)  # a supervisor, or one process: in memory
+    try:
+        require("service", "--metrics-port", "prometheus_client")
+    except MissingExtra as exc:
+        raise CliFailure(str(exc)) from None
+    return handoff
 
 
 def _metrics(port: int | None, handoff: str | None) -> None:
@@ -257,6 +266,7 @@ def _supervise(
                 "pick another --metrics-port"
             ) from None
         env[ENV_HANDOFF] = metrics.path
+        env[MULTIPROC_ENV] = metrics.path
         env.pop(ENV_METRICS_PORT, None)  # the children write files; only this process serves
         structlog.get_logger("sluice.cli").info(
             f"metrics of {processes} worker processes on http://0.0.0.0:{metrics_port}/metrics",
