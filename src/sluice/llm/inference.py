@@ -39,7 +39,13 @@ from sluice.engine.queue import Queue
 from sluice.errors import BudgetNotFound, ConfigurationError, MissingExtra, PermanentError, Throttled
 from sluice.llm.cache import CachePolicy, SemanticCache, cache_scope
 from sluice.llm.pricing import to_micro_usd, worst_case_cost
-from sluice.llm.provider import Message, Provider, ProviderRejected, ProviderUnavailable, Usage
+from sluice.llm.provider import (
+    Message,
+    Provider,
+    ProviderRejected,
+    ProviderUnavailable,
+    complete_observed,
+)
 from sluice.llm.tokens import count_prompt_tokens, estimate_prompt_tokens
 from sluice.probes import probe
 from sluice.settings import environment
@@ -329,19 +335,15 @@ class LLMRuntime:
         async def call() -> dict[str, Any]:
             if before_call is not None:
                 await before_call(provider, model)
-            try:
-                answer = await provider.complete(
-                    request.messages,
-                    model=model,
-                    max_tokens=request.max_tokens,
-                    temperature=request.temperature,
-                    idempotency_key=idempotency_key,
-                )
-            except Exception as exc:
-                probe().provider_call(provider.name, model, _call_outcome(exc))
-                raise
+            answer = await complete_observed(
+                provider,
+                request.messages,
+                model=model,
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                idempotency_key=idempotency_key,
+            )
             usage = answer.usage
-            _observe_answer(provider.name, model, usage, answer.cost)
             return {
                 "response": answer.text,
                 "model": answer.model,
@@ -404,28 +406,6 @@ class LLMRuntime:
             await self.cache.aclose()
         for close in self.closers:
             await close()
-
-
-def _call_outcome(exc: Exception) -> str:
-    """A failed provider call as ``sluice_provider_calls_total`` names it."""
-    if isinstance(exc, Throttled):
-        return "throttled"
-    if isinstance(exc, ProviderUnavailable):
-        return "unavailable"
-    if isinstance(exc, ProviderRejected):
-        return "rejected"
-    return "error"
-
-
-def _observe_answer(provider: str, model: str, usage: Usage, cost: float | None) -> None:
-    listener = probe()
-    listener.provider_call(provider, model, "ok")
-    # prompt_tokens include the cached part; 'prompt' counts the rest, so the kinds add up.
-    listener.tokens(provider, model, "prompt", max(usage.prompt_tokens - usage.cached_tokens, 0))
-    listener.tokens(provider, model, "completion", usage.completion_tokens)
-    listener.tokens(provider, model, "cached", usage.cached_tokens)
-    if cost is not None:
-        listener.cost(provider, model, cost)
 
 
 def _policy_fields(policy: CachePolicy) -> dict[str, Any]:
