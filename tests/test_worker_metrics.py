@@ -287,7 +287,10 @@ async def test_llm_inference_jobs_move_the_provider_and_cache_series_and_grafana
                 faults = [{"status": 429, "retry_after_ms": 200}]
                 await client.post(provider_url + "/_control/faults", json=faults)
             bypass = await _run(api, {"prompt": "Name three prime numbers.", "cache": False})
-            found = await scraped(port, lambda s: total(s, "sluice_provider_calls_total") == 3)
+            async with httpx.AsyncClient() as client:
+                await client.post(provider_url + "/_control/faults", json=faults)
+            missed = await _run(api, {"prompt": "Name a colour of the rainbow."})  # a miss, twice
+            found = await scraped(port, lambda s: total(s, "sluice_provider_calls_total") == 5)
             async with httpx.AsyncClient() as client:
                 worker_text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
             # Gauges of limits and budgets exist only where some are set.
@@ -297,14 +300,15 @@ async def test_llm_inference_jobs_move_the_provider_and_cache_series_and_grafana
             made = await api.client.post("/v1/budgets", json={"name": "team", "limit": 1000})
             assert made.status_code == 201, made.text
             api_text = (await api.client.get("/metrics", headers={"accept": PROMETHEUS})).text
-    assert first["cacheHit"] is False and again["cacheHit"] is True and bypass["cacheHit"] is False
-    assert total(found, "sluice_provider_calls_total", outcome="ok") == 2
-    assert total(found, "sluice_provider_calls_total", outcome="throttled") == 1
-    assert total(found, "sluice_cache_lookups_total", result="miss") == 1
+    assert first["cacheHit"] is False and again["cacheHit"] is True
+    assert bypass["cacheHit"] is False and missed["cacheHit"] is False
+    assert total(found, "sluice_provider_calls_total", outcome="ok") == 3
+    assert total(found, "sluice_provider_calls_total", outcome="throttled") == 2
+    assert total(found, "sluice_cache_lookups_total", result="miss") == 3  # first; missed: 429, answer
     assert total(found, "sluice_cache_lookups_total", result="exact_hit") == 1
     assert total(found, "sluice_cache_lookups_total", result="bypass") == 2  # the 429, then the answer
     assert total(found, "sluice_cache_lookups_total", result="semantic_hit") == 0
-    paid = [first, bypass]
+    paid = [first, bypass, missed]
     completion = sum(r["usage"]["completion_tokens"] for r in paid)
     prompt = sum(r["usage"]["prompt_tokens"] - r["usage"]["cached_tokens"] for r in paid)
     assert total(found, "sluice_provider_tokens_total", kind="completion") == completion > 0
@@ -312,7 +316,9 @@ async def test_llm_inference_jobs_move_the_provider_and_cache_series_and_grafana
     cost = sum(r["cost"] for r in paid)
     assert cost == pytest.approx((prompt * 1.5 + completion * 6) / 1e6)
     assert total(found, "sluice_provider_cost_usd_total", model="gpt-4o-mini") == pytest.approx(cost)
-    assert total(found, "sluice_worker_handler_duration_seconds_count", job_type="llm-inference") == 4
+    handled = "sluice_worker_handler_duration_seconds_count"
+    assert total(found, handled, job_type="llm-inference") == 6
+    assert total(found, handled, job_type="llm-inference", outcome="throttled") == 2
 
     # Every series the Grafana dashboard names is in one of the two expositions.
     exposed = {name for text in (api_text, worker_text) for name, _ in samples(text)}

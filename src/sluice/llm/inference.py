@@ -374,9 +374,13 @@ class LLMRuntime:
             context=request.messages[:-1],
             params={"max_tokens": request.max_tokens, "temperature": request.temperature},
         )
-        response, hit = await self.cache.through(
-            request.tenant, scope, request.messages[-1]["content"], call, policy=policy
-        )
+        try:
+            response, hit = await self.cache.through(
+                request.tenant, scope, request.messages[-1]["content"], call, policy=policy
+            )
+        except Exception:
+            probe().cache_lookup("miss")  # a hit raises nothing: the call behind a miss failed
+            raise
         probe().cache_lookup("miss" if hit is None else "exact_hit" if hit.exact else "semantic_hit")
         if hit is None:
             return {**response, "cacheHit": False}
