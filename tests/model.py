@@ -34,7 +34,10 @@ docs/architecture.md (Flow control, The token ledger):
   step; a job whose budget (or one above it) cannot admit its estimate is
   rejected or parked and the step goes on. A lease counts an attempt, bumps
   the token, reserves the estimate on every level under ``<id>:<token>`` and
-  records a start in the request-rate window.
+  records a start in the request-rate window. Each gate that refused
+  something in a step that asked for jobs adds 1 to the stats hash's
+  ``refused:<gate>``, once per step (a closed queue-wide gate refuses
+  nothing while nothing waits).
 * next_due: the earliest of a delayed job's due time, a parked budget's retry
   time and the time a closed gate opens by itself.
 * The wake marker is put back when jobs wait, by add, reap, redrive, a raised
@@ -448,6 +451,7 @@ class Model:
     held: dict[str, int] = field(default_factory=dict)  # callers' held reservations -> hold's end
     ops: dict[str, dict[str, str]] = field(default_factory=dict)  # budget operation id -> its record
     _retry_cache: dict[str, float] = field(default_factory=dict)  # budget -> retry time, per step
+    _refused: set[str] = field(default_factory=set)  # gates that refused during this step
     stepped: bool = False  # a dispatch call made the queue's epoch
 
     # ---- derived views ---------------------------------------------------------------
@@ -565,7 +569,11 @@ class Model:
         for job in self.jobs.values():
             if job.state == DELAYED and job.run_at <= now:
                 job.state = WAITING
+        self._refused = set()
         leased, wait = self._take(now, want, lease_ms, worker)
+        if want > 0:  # each gate that refused counts once per call, however many jobs it refused
+            for gate in self._refused:
+                self.stats["refused:" + gate] += 1
         # Workers are woken only while the queue is open, or by a caller that took
         # nothing and was told when to come back (it hands the wake-up on).
         if wait == 0 or (want <= 0 and wait > 0):
@@ -589,12 +597,16 @@ class Model:
         """0 if the queue-wide gates are open; else when they open (ms), or -1: on an event."""
         c = self.control
         if c.paused:
+            self._refused.add("paused")
             return -1
         if c.throttled_until is not None and c.throttled_until > now:
+            self._refused.add("throttled")
             return c.throttled_until
         if c.concurrency is not None and len(self.zset(ACTIVE)) >= c.concurrency:
+            self._refused.add("concurrency")
             return -1
         if c.rate_max is not None and len(self.starts) >= c.rate_max:
+            self._refused.add("rate")
             return min(self.starts.values()) + (c.rate_ms or 0)
         return 0
 
@@ -602,6 +614,8 @@ class Model:
         leased: list[LeasedJob] = []
         wait = self._queue_wait(now)
         if want <= 0 or wait != 0:
+            if wait != 0 and not self.ids(WAITING):
+                self._refused = set()  # a closed gate refuses nothing while nothing waits
             return leased, wait
         while len(leased) < want and (line := self.ids(WAITING)):
             wait = self._queue_wait(now)
@@ -622,6 +636,7 @@ class Model:
         tpm = self.budgets[TOKEN_RATE] if self.control.tpm else None
         if tpm is not None:
             if tokens > tpm.limit:
+                self._refused.add("token_rate")
                 self._reject(
                     now,
                     job,
@@ -630,6 +645,7 @@ class Model:
                 )
                 return None
             if tpm.used + tokens > tpm.limit:
+                self._refused.add("token_rate")
                 free_at = self._free_at(tpm, tokens)
                 assert free_at is not None, "a rolling window holds what it counts"
                 return free_at
@@ -637,10 +653,12 @@ class Model:
         if job.spec.budget is not None:
             levels, missing = self._chain(job.spec.budget, now)
             if missing is not None:
+                self._refused.add("budget")
                 self._reject(now, job, f"no budget named {missing}; create it before adding jobs that use it")
                 return None
             refusing = next((b for b in levels if _refuses(b, tokens)), None)
             if refusing is not None:
+                self._refused.add("budget")
                 self._refuse(now, job, refusing)
                 return None
         return levels + ([tpm] if tpm is not None else [])

@@ -115,12 +115,21 @@ async def test_windows_drop_old_buckets(queue: Queue, redis: Redis) -> None:
     assert hour.count == 2
     assert hour.p50 == pytest.approx(100, rel=RELATIVE_ACCURACY)
     assert hour.max is not None and 300 <= hour.max <= 300 * (1 + 2 * RELATIVE_ACCURACY)
-    # Buckets expire by themselves.
+    # Buckets expire by themselves; the cumulative hashes (the Prometheus histograms) do not,
+    # and hold every sample.
     keys = [k.decode() async for k in redis.scan_iter(match=queue.keys.latency_prefix + "*")]
     assert keys
+    totals = {queue.keys.latency_total(m) for m in ("p", "w")}
+    assert totals <= set(keys)
     for key in keys:
         ttl = await redis.pttl(key)
-        assert 0 < ttl <= (KEEP_10S_MS if ":10s:" in key else KEEP_1M_MS)
+        if key in totals:
+            assert ttl == -1
+        else:
+            assert 0 < ttl <= (KEEP_10S_MS if ":10s:" in key else KEEP_1M_MS)
+    cumulative = await queue.latency_totals()
+    assert sum(cumulative["processing"].values()) == 2 and sum(cumulative["queue_wait"].values()) == 1
+    assert cumulative["end_to_end"] == {}
 
 
 async def test_a_flush_is_split_into_bounded_calls(queue: Queue, redis: Redis) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.testing.embedded import free_port
 
@@ -59,6 +61,15 @@ def _stop(proc: subprocess.Popen[bytes]) -> str:
     return out.decode()
 
 
+def _metrics(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(base + "/metrics", headers={"accept": "text/plain"}).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
 def _servers_of(home: Path) -> list[str]:
     """Processes still running whose command line names the folder (redis, postgres, workers)."""
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
@@ -69,8 +80,14 @@ def test_sluice_dev_runs_everything_and_stops_it_and_finds_its_data_again(tmp_pa
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "sluice", "dev", "--port", str(port)]
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     proc = subprocess.Popen(
-        argv, cwd=tmp_path, env=_env(tmp_path / ".sluice"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        argv,
+        cwd=tmp_path,
+        env=_env(tmp_path / ".sluice", TMPDIR=str(scratch)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         _wait_ready(base, proc)
@@ -94,6 +111,12 @@ def test_sluice_dev_runs_everything_and_stops_it_and_finds_its_data_again(tmp_pa
 
         threading.Thread(target=watch, daemon=True).start()
         assert watching.wait(10)
+        # The workers' series are in the API's own exposition (one shared multiprocess folder)
+        found = _until(lambda: (m := _metrics(base)).get(("sluice_worker_processes", ())) == 2 and m)
+        assert found[("sluice_api_processes", ())] == 1  # type: ignore[index]
+        handled = (("job_type", "generic"), ("outcome", "completed"))
+        assert found[("sluice_worker_handler_duration_seconds_count", handled)] == 1  # type: ignore[index]
+        assert len(glob.glob(str(scratch / "sluice-dev-metrics-*"))) == 1
     finally:
         started = time.monotonic()
         out = _stop(proc)
@@ -101,7 +124,9 @@ def test_sluice_dev_runs_everything_and_stops_it_and_finds_its_data_again(tmp_pa
     assert time.monotonic() - started < 30, "the stop waited for the open stream"
     assert "NO AUTHENTICATION" in out and f"curl -s -X POST {base}/jobs" in out
     assert f"dashboard: {base}/dashboard/" in out
+    assert f"{base}/metrics" in out
     assert _servers_of(tmp_path) == []  # Redis, PostgreSQL and the workers stopped with it
+    assert glob.glob(str(scratch / "sluice-dev-metrics-*")) == []
 
     # A second run on the same folder finds the job again
     proc = subprocess.Popen(

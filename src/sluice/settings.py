@@ -59,6 +59,7 @@ ENV_REDIS_SERVER = "SLUICE_REDIS_SERVER"
 ENV_LOG_LEVEL = "SLUICE_LOG_LEVEL"
 ENV_LOG_FORMAT = "SLUICE_LOG_FORMAT"
 ENV_DEBUG = "SLUICE_DEBUG"
+ENV_METRICS_PORT = "SLUICE_METRICS_PORT"
 
 #: Hand-offs from a lab driver to the worker processes it starts (not user settings).
 ENV_LAB_URL = "SLUICE_LAB_URL"
@@ -68,6 +69,9 @@ ENV_GOODPUT_REDIS = "SLUICE_GOODPUT_REDIS"
 ENV_GOODPUT_PROVIDER = "SLUICE_GOODPUT_PROVIDER"
 ENV_GOODPUT_RUNS_KEY = "SLUICE_GOODPUT_RUNS_KEY"
 ENV_GOODPUT_CLIENT = "SLUICE_GOODPUT_CLIENT"
+#: From ``sluice worker -p N --metrics-port`` (and ``sluice dev``) to its worker processes:
+#: the directory they write their metrics to (service/worker_metrics.py).
+ENV_WORKER_METRICS_DIR = "SLUICE_WORKER_METRICS_DIR"
 
 
 def environment() -> Mapping[str, str]:
@@ -196,6 +200,11 @@ ENVIRONMENT = (
     ),
     Variable(
         "SLUICE_ANALYSIS_BUDGET_TOKENS", "200000", "That budget's daily limit, in tokens, when it is made."
+    ),
+    Variable(
+        ENV_METRICS_PORT,
+        "(none: off)",
+        "sluice worker --metrics-port: serve the worker processes' Prometheus metrics on this port.",
     ),
     Variable(ENV_LOG_LEVEL, "info", "debug, info, warning or error."),
     Variable(ENV_LOG_FORMAT, "console", "console (readable lines) or json (one object per line)."),

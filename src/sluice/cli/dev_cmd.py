@@ -7,6 +7,10 @@ jobs again. The API runs in this process without authentication (it says so
 on start), beside worker processes for the built-in job types. Ctrl-C stops
 the workers (they finish or hand back what they run), then the API, then the
 servers this command started.
+
+The API and the workers share one prometheus-client multiprocess directory (a
+fresh one, removed at exit), so the API's ``GET /metrics`` shows the workers'
+series too: one address to scrape, no port per worker.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import asyncio
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -29,9 +35,11 @@ from sluice.cli.output import stderr, stdout
 from sluice.cli.serve_cmd import STOP_GRACE_SECONDS
 from sluice.cli.server import command_label, redis_url
 from sluice.engine.connection import redact
-from sluice.settings import ENV_DATABASE_URL, ENV_REDIS_URL, Settings
+from sluice.settings import ENV_DATABASE_URL, ENV_REDIS_URL, ENV_WORKER_METRICS_DIR, Settings
 
 WORKER_TARGET = "sluice.service.handlers:worker"
+#: prometheus-client's multiprocess directory (service/multiproc.py).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 @contextlib.contextmanager
@@ -56,9 +64,12 @@ def database_url() -> Iterator[str]:
         yield found
 
 
-def _workers(url: str, database: str, processes: int, queue: str) -> subprocess.Popen[bytes]:
+def _workers(
+    url: str, database: str, processes: int, queue: str, metrics_dir: str
+) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env[ENV_REDIS_URL] = url
+    env[ENV_WORKER_METRICS_DIR] = metrics_dir  # their series in the API's GET /metrics
     env[ENV_DATABASE_URL] = database  # llm-inference's semantic cache lives in the store
     argv = [sys.executable, "-m", "sluice", "worker", WORKER_TARGET, "--processes", str(processes)]
     if queue != "jobs":
@@ -91,7 +102,21 @@ def dev(
     expose this port; `sluice serve` is for anything else. Built-in job types:
     generic, email (send_email), llm-inference (the provider SLUICE_LLM_PROVIDER names,
     else an offline stand-in model; with the semantic cache). Ctrl-C stops it all.
+
+    GET /metrics with Accept: text/plain shows the API's and the workers' Prometheus series.
     """
+    # One metrics directory for the API (this process) and the workers: GET /metrics shows
+    # both. Set before prometheus-client is first imported (with the app), which reads it then.
+    metrics_dir = tempfile.mkdtemp(prefix="sluice-dev-metrics-")
+    os.environ[MULTIPROC_ENV] = metrics_dir
+    try:
+        _dev(port, workers, metrics_dir)
+    finally:
+        os.environ.pop(MULTIPROC_ENV, None)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _dev(port: int, workers: int, metrics_dir: str) -> None:
     try:
         import uvicorn
 
@@ -126,12 +151,13 @@ def dev(
         for label, value in (
             ("API", f"{base}  (docs {base}/docs, OpenAPI {base}/openapi.json)"),
             ("dashboard", f"{base}/dashboard/"),
+            ("metrics", f"{base}/metrics  (Accept: text/plain; the API's and the workers' series)"),
             ("Redis", redact(rurl)),
             ("Postgres", _redact_db(durl)),
             ("try", curl),
         ):
             out.print(escape(f"{label + ':':<11}{value}"), soft_wrap=True)
-        proc = _workers(rurl, durl, workers, settings.queue) if workers else None
+        proc = _workers(rurl, durl, workers, settings.queue, metrics_dir) if workers else None
         try:
             # uvicorn handles Ctrl-C (a graceful stop), then raises it again: that is our exit.
             with contextlib.suppress(KeyboardInterrupt):

@@ -9,21 +9,28 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import structlog
 import typer
 
-from sluice.cli.errors import debug_flag
+from sluice.cli.errors import CliFailure, debug_flag
 from sluice.cli.options import CONNECTION, RedisOpt, at_least, checked_name
 from sluice.cli.output import stderr
 from sluice.cli.runtime import run
 from sluice.cli.server import redis_url
 from sluice.engine.watchdog import EXIT_HARD_STOPPED
 from sluice.engine.worker import Worker
-from sluice.errors import ConfigurationError
-from sluice.settings import ENV_REDIS_URL
+from sluice.errors import ConfigurationError, MissingExtra
+from sluice.extras import require
+from sluice.settings import ENV_METRICS_PORT, ENV_REDIS_URL
+from sluice.settings import ENV_WORKER_METRICS_DIR as ENV_HANDOFF
 
+#: prometheus-client's multiprocess directory (service/multiproc.py).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+if TYPE_CHECKING:
+    from sluice.service.worker_metrics import Collected
 SETTINGS = "Worker settings (default: as the Worker object in your code sets them)"
 
 
@@ -129,6 +136,17 @@ def worker(
             rich_help_panel=CONNECTION,
         ),
     ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            envvar=ENV_METRICS_PORT,
+            show_envvar=False,
+            help="Serve this process's metrics (all processes' with --processes N, added up) "
+            f"for Prometheus on 0.0.0.0:PORT. Off by default; also {ENV_METRICS_PORT}.",
+        ),
+    ] = None,
     redis: RedisOpt = None,
 ) -> None:
     """Run a Worker: take jobs, run their handlers, report outcomes.
@@ -142,6 +160,9 @@ def worker(
     # Stopped before it serves: nothing runs yet, so that is a clean stop (exit 0), which is
     # what a service manager stopping a unit that is still starting should see.
     signal.signal(signal.SIGTERM, _stopped_before_start)
+    # Before the Worker's module is imported: prometheus-client picks its mode when first
+    # imported (by that module too, if it uses it), from PROMETHEUS_MULTIPROC_DIR.
+    handoff = _metrics_mode(metrics_port, processes)
     try:
         w = load_worker(target)
     except ConfigurationError as exc:
@@ -167,9 +188,12 @@ def worker(
     )
     with redis_url(redis, stderr()) as url:
         if processes > 1:
-            raise typer.Exit(_supervise(target, processes, url, settings, worker_id, debug_flag(ctx)))
+            code = _supervise(target, processes, url, settings, worker_id, debug_flag(ctx), metrics_port)
+            raise typer.Exit(code)
         if worker_id is not None:
             w.configure(worker_id=worker_id)
+        if metrics_port is not None or handoff is not None:
+            _metrics(metrics_port, handoff)
         structlog.get_logger("sluice.cli").info(
             "worker process",
             pid=os.getpid(),
@@ -181,8 +205,46 @@ def worker(
         run(w.run(url))
 
 
+def _metrics_mode(port: int | None, processes: int) -> str | None:
+    """Choose prometheus-client's mode for this process, and check that it is installed;
+    returns the directory a supervisor or ``sluice dev`` handed over (None: none)."""
+    handoff = os.environ.get(ENV_HANDOFF) or None
+    if port is None and handoff is None:
+        return None
+    if handoff is not None and processes == 1:
+        os.environ[MULTIPROC_ENV] = handoff  # a child: its values go to the shared folder
+    else:
+        os.environ.pop(MULTIPROC_ENV, None)  # a supervisor, or one process: in memory
+    try:
+        require("service", "--metrics-port", "prometheus_client")
+    except MissingExtra as exc:
+        raise CliFailure(str(exc)) from None
+    return handoff
+
+
+def _metrics(port: int | None, handoff: str | None) -> None:
+    """Count this process's metrics: into the directory a supervisor or ``sluice dev``
+    handed over, else in memory, served on ``port``."""
+    from sluice.service.worker_metrics import enable
+
+    try:
+        enable(port, handoff)
+    except OSError as exc:
+        raise CliFailure(
+            f"cannot serve metrics on port {port} ({exc.strerror or exc}); pick another --metrics-port"
+        ) from None
+    if port is not None and handoff is None:
+        structlog.get_logger("sluice.cli").info(f"metrics on http://0.0.0.0:{port}/metrics", port=port)
+
+
 def _supervise(
-    target: str, processes: int, url: str, settings: Mapping[str, object], worker_id: str | None, debug: bool
+    target: str,
+    processes: int,
+    url: str,
+    settings: Mapping[str, object],
+    worker_id: str | None,
+    debug: bool,
+    metrics_port: int | None = None,
 ) -> int:
     """Start N single-process workers with the same settings and pass signals on to them."""
     argv = [sys.executable, "-m", "sluice", *(["--debug"] if debug else []), "worker", target]
@@ -190,15 +252,39 @@ def _supervise(
         if value is not None:
             argv += [option, str(value)]
     # The URL goes in the environment, not on the command line, where `ps` would show its password.
-    supervisor = _Supervisor(argv, {**os.environ, ENV_REDIS_URL: url}, worker_id)
-    # Before the first child starts: a signal in between must reach the children, not end us.
-    signal.signal(signal.SIGTERM, supervisor.forward)
-    signal.signal(signal.SIGINT, supervisor.forward)
-    for slot in range(processes):
-        if supervisor.forwarded:
-            break  # told to stop while starting: start no more
-        supervisor.start(slot)
-    return supervisor.wait()
+    env = {**os.environ, ENV_REDIS_URL: url}
+    metrics = None
+    if metrics_port is not None:
+        from sluice.service.worker_metrics import Collected
+
+        metrics = Collected(metrics_port)
+        try:
+            metrics.start()
+        except OSError as exc:
+            raise CliFailure(
+                f"cannot serve metrics on port {metrics_port} ({exc.strerror or exc}); "
+                "pick another --metrics-port"
+            ) from None
+        env[ENV_HANDOFF] = metrics.path
+        env[MULTIPROC_ENV] = metrics.path
+        env.pop(ENV_METRICS_PORT, None)  # the children write files; only this process serves
+        structlog.get_logger("sluice.cli").info(
+            f"metrics of {processes} worker processes on http://0.0.0.0:{metrics_port}/metrics",
+            port=metrics_port,
+        )
+    try:
+        supervisor = _Supervisor(argv, env, worker_id, metrics)
+        # Before the first child starts: a signal in between must reach the children, not end us.
+        signal.signal(signal.SIGTERM, supervisor.forward)
+        signal.signal(signal.SIGINT, supervisor.forward)
+        for slot in range(processes):
+            if supervisor.forwarded:
+                break  # told to stop while starting: start no more
+            supervisor.start(slot)
+        return supervisor.wait()
+    finally:
+        if metrics is not None:
+            metrics.close()
 
 
 class _Supervisor:
@@ -212,10 +298,14 @@ class _Supervisor:
     crash at start would crash again): it is logged, and the others go on.
     """
 
-    def __init__(self, argv: list[str], env: dict[str, str], worker_id: str | None) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str], worker_id: str | None, metrics: Collected | None = None
+    ) -> None:
         self.argv = argv
         self.env = env
         self.worker_id = worker_id
+        #: the children's metrics directory and its server (--metrics-port), or None
+        self.metrics = metrics
         #: the current process of each slot (slot i runs worker id <worker_id>-<i + 1>)
         self.children: list[subprocess.Popen[bytes]] = []
         #: every signal passed on, in order; and how many of them each child has been sent
@@ -264,6 +354,8 @@ class _Supervisor:
         return max((0 if code in stopped else 128 - code if code < 0 else code for code in codes), default=0)
 
     def _ended(self, slot: int, child: subprocess.Popen[bytes], code: int) -> None:
+        if self.metrics is not None:
+            self.metrics.ended(child.pid)
         if code == EXIT_HARD_STOPPED and not self.forwarded:
             new = self.start(slot)
             self.log.warning(

@@ -23,6 +23,7 @@ from sluice.engine.sketch import (
     bucket_keys,
     buckets,
     merge,
+    short_name,
     summarize,
 )
 from sluice.engine.transport import reads, writes
@@ -54,6 +55,9 @@ COUNTERS = (
     "unknown_outcome",
     "overrun",
 )
+
+#: The dispatch script's gates, as its refusals are counted (``refused:<gate>`` in stats).
+GATES = ("paused", "throttled", "concurrency", "rate", "token_rate", "budget")
 
 #: Ids per redrive / purge script call: bounded work per call.
 ADMIN_CHUNK = 500
@@ -277,6 +281,24 @@ class QueueAdmin:
             for i, metric in enumerate(METRICS)
         }
         return LatencySeries(size, [n * size for n in numbers], RELATIVE_ACCURACY, points, res)
+
+    @reads
+    async def refusals(self) -> dict[str, int]:
+        """Dispatch calls each gate refused since the queue began (one per gate per call,
+        however many jobs it turned away): paused, throttled, concurrency, rate,
+        token_rate (the token-rate window), budget (a budget rejected or parked a job)."""
+        raw = await self.redis.hmget(self.keys.stats, [f"refused:{gate}" for gate in GATES])
+        return {gate: int(v or 0) for gate, v in zip(GATES, raw, strict=True)}
+
+    @reads
+    async def latency_totals(self) -> dict[str, dict[str, int]]:
+        """Every latency metric's cumulative bins since the queue began (engine/sketch.py):
+        queue_wait, processing, end_to_end -> {bin: count}."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for metric in METRICS:
+                pipe.hgetall(self.keys.latency_total(short_name(metric)))
+            raw: list[dict[bytes, bytes]] = await pipe.execute()
+        return {metric: merge([h]) for metric, h in zip(METRICS, raw, strict=True)}
 
     async def dead_letters(self, offset: int = 0, limit: int = 100) -> list[JobRecord]:
         """Dead-lettered jobs, oldest first, with their last error."""

@@ -125,3 +125,7 @@ class QueueKeys:
     def latency(self, metric: str, resolution: str, index: int) -> str:
         """One latency bucket hash (engine/sketch.py): ``lat:<metric>:<10s|1m>:<n>``."""
         return f"{self.latency_prefix}{metric}:{resolution}:{index}"
+
+    def latency_total(self, metric: str) -> str:
+        """A latency metric's cumulative bins, never expiring: ``lat:<metric>:all``."""
+        return f"{self.latency_prefix}{metric}:all"

@@ -55,6 +55,7 @@ from sluice.errors import (
     SluiceError,
     Throttled,
 )
+from sluice.probes import probe
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -89,6 +90,7 @@ class _Running:
     __slots__ = (
         "backoff",
         "ctx",
+        "label",
         "started",
         "stop_reason",
         "sync",
@@ -113,6 +115,8 @@ class _Running:
         #: time.monotonic() at start, and when its timeout fired (then the outcome is a timeout)
         self.started = 0.0
         self.timed_out_at: float | None = None
+        #: the job type as metrics name it (set at start: 'unregistered' without a handler)
+        self.label = ctx.name
 
 
 class _Call:
@@ -628,8 +632,11 @@ class Runner:
             return False
         timeout = timeout_ms / 1000 if timeout_ms > 0 else self.worker.timeout
         job = _Running(ctx, f[1], timeout, f[7], self.worker.is_sync(name))
+        if self.worker.get_handler(name) is None:  # any string a producer sent: not a metric label
+            job.label = "unregistered"
         job.started = time.monotonic()
         self.running[job_id] = job
+        probe().attempt_started(job.label)
         if self._watchdog is not None:
             # Watched from now: if another job blocks the loop before this one's task
             # first runs, a hard stop still releases it.
@@ -657,6 +664,7 @@ class Runner:
             self.kick.set()
         if outcome is not None:
             self.done.append((ctx.id, job.token, *outcome, ctx.usage))
+        _ended_probe(job, outcome)
         if self._watchdog is not None:
             # After the outcome is queued: the watchdog always finds it in one place or the other.
             self._watchdog.unwatch(job)
@@ -669,6 +677,7 @@ class Runner:
             outcome = self._stopped(job)
             if outcome is not None:
                 self.done.append((job.ctx.id, job.token, *outcome, job.ctx.usage))
+            _ended_probe(job, outcome)
             self.kick.set()
         if self._watchdog is not None:
             self._watchdog.unwatch(job)
@@ -977,6 +986,23 @@ _TRANSIENT = (RedisError, OSError, RedisUnavailable, RedisCommandError)
 
 #: What a handler stopped by the runner reports: a cancel, or a release to waiting.
 _STOPPED = {"cancel": (b"x", b"cancelled by request", 0), "release": (b"r", b"", 0)}
+
+
+#: An attempt's outcome as metrics name it, by the dispatch script's kind.
+_OUTCOME_LABELS = {
+    b"c": "completed",
+    b"f": "failed",
+    b"p": "dead",
+    b"o": "timed_out",
+    b"r": "released",
+    b"x": "cancelled",
+    b"t": "throttled",
+}
+
+
+def _ended_probe(job: _Running, outcome: tuple[bytes, bytes, int] | None) -> None:
+    label = "lease_lost" if outcome is None else _OUTCOME_LABELS.get(outcome[0], "other")
+    probe().attempt_ended(job.label, label, time.monotonic() - job.started)
 
 
 def _reraise_if_cancelled() -> None:

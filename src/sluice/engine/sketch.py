@@ -16,6 +16,11 @@ time-bucketed hashes, one per (queue, metric, bucket): 10 s buckets kept
 :data:`KEEP_10S_MS`, 1 min buckets kept :data:`KEEP_1M_MS`, each expiring by
 itself. A worker that crashes loses what it had not flushed (at most about a
 second of samples). :func:`summarize` merges the buckets a window covers.
+
+The same flush adds the counts to one cumulative hash per (queue, metric) that
+never expires: the API exports it as a Prometheus histogram
+(:func:`histogram`, fixed edges :data:`HISTOGRAM_EDGES`), so ``rate()`` and
+``histogram_quantile`` work over any range Prometheus keeps.
 """
 
 from __future__ import annotations
@@ -202,17 +207,75 @@ class LatencyRecorder:
             short = _SHORT[metric]
             ten = self.keys.latency(short, "10s", index)
             minute = self.keys.latency(short, "1m", index * BUCKET_10S_MS // BUCKET_1M_MS)
+            total = self.keys.latency_total(short)
             pairs = list(bins.items())
             for start in range(0, len(pairs), FLUSH_PAIRS):
                 chunk = pairs[start : start + FLUSH_PAIRS]
                 args: list[Any] = [KEEP_10S_MS, KEEP_1M_MS]
                 for field, count in chunk:
                     args += (field, count)
-                await self.scripts.latency(keys=[ten, minute], args=args)
+                await self.scripts.latency(keys=[ten, minute, total], args=args)
                 calls += 1
                 self.flushed += sum(c for _, c in chunk)
         self.calls += calls
         return calls
+
+
+#: The ``le`` edges (seconds) of the exported histograms, below +Inf.
+HISTOGRAM_EDGES = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+)  # fmt: skip
+
+
+def short_name(metric: str) -> str:
+    """How a metric (queue_wait, processing, end_to_end) is named in keys."""
+    return _SHORT[metric]
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Cumulative bins as a Prometheus histogram: ``buckets`` pairs each edge (seconds;
+    the last is +Inf) with the samples counted at or below it."""
+
+    buckets: list[tuple[float, int]]
+    count: int
+    #: seconds; each sample counted at its bin's value, so within 1 % of the exact sum
+    sum: float
+
+
+def histogram(bins: Mapping[str, int], edges: Iterable[float] = HISTOGRAM_EDGES) -> Histogram:
+    """Fold DDSketch bins (field -> count, ms) into fixed edges (seconds).
+
+    A bin counts under edge ``E`` when its upper bound is at most ``E``: every sample
+    in ``le=E`` is at most ``E``, and every sample at most ``E / GAMMA`` (2 % below
+    it) is in it. Only samples within 2 % below an edge may land one bucket late.
+    """
+    zero = 0
+    per_key: list[tuple[float, int]] = []
+    total_ms = 0.0
+    for field, raw in bins.items():
+        count = int(raw)
+        if count <= 0:
+            continue
+        if field == ZERO:
+            zero += count
+            continue
+        key = int(field)
+        per_key.append((upper_bound(key), count))
+        total_ms += value_of(key) * count
+    per_key.sort()
+    out: list[tuple[float, int]] = []
+    seen, i = zero, 0
+    for edge in edges:
+        limit = edge * 1000 * (1 + 1e-12)  # an upper bound computed a hair above the edge
+        while i < len(per_key) and per_key[i][0] <= limit:
+            seen += per_key[i][1]
+            i += 1
+        out.append((edge, seen))
+    n = zero + sum(c for _, c in per_key)
+    out.append((math.inf, n))
+    return Histogram(out, n, total_ms / 1000)
 
 
 #: The windows ``sluice stats`` and ``GET /v1/stats`` report, by label (seconds).

@@ -45,7 +45,7 @@ import orjson
 
 from sluice.engine.backoff import DEFAULT_BACKOFF
 from sluice.errors import ConfigurationError, MissingExtra, PermanentError, RedisUnavailable, SluiceError
-from sluice.llm.provider import Message, Provider
+from sluice.llm.provider import Message, Provider, complete_observed
 from sluice.llm.tokens import count_prompt_tokens, estimate_prompt_tokens, reservation
 from sluice.store.jobs import NewJob, StoredJob
 from sluice.store.patterns import ANALYSIS_JOB_TYPE, MAX_MESSAGE, Pattern, PatternStore, advice
@@ -300,8 +300,13 @@ def make_handler(
                     f"answer after its prompt ({prompt} tokens for {chosen.name}/{use})"
                 )
             cap = min(max_tokens, _answer_tokens(payload, max_tokens), room)
-            completion = await chosen.complete(
-                messages, model=use, max_tokens=cap, temperature=0.0, idempotency_key=job.idempotency_key
+            completion = await complete_observed(
+                chosen,
+                messages,
+                model=use,
+                max_tokens=cap,
+                temperature=0.0,
+                idempotency_key=job.idempotency_key,
             )
         finally:
             if owned:

@@ -39,8 +39,15 @@ from sluice.engine.queue import Queue
 from sluice.errors import BudgetNotFound, ConfigurationError, MissingExtra, PermanentError, Throttled
 from sluice.llm.cache import CachePolicy, SemanticCache, cache_scope
 from sluice.llm.pricing import to_micro_usd, worst_case_cost
-from sluice.llm.provider import Message, Provider, ProviderRejected, ProviderUnavailable
+from sluice.llm.provider import (
+    Message,
+    Provider,
+    ProviderRejected,
+    ProviderUnavailable,
+    complete_observed,
+)
 from sluice.llm.tokens import count_prompt_tokens, estimate_prompt_tokens
+from sluice.probes import probe
 from sluice.settings import environment
 
 if TYPE_CHECKING:
@@ -328,7 +335,8 @@ class LLMRuntime:
         async def call() -> dict[str, Any]:
             if before_call is not None:
                 await before_call(provider, model)
-            answer = await provider.complete(
+            answer = await complete_observed(
+                provider,
                 request.messages,
                 model=model,
                 max_tokens=request.max_tokens,
@@ -352,6 +360,7 @@ class LLMRuntime:
             }
 
         if self.cache is None or not request.cache.enabled:
+            probe().cache_lookup("bypass")
             return {**await call(), "cacheHit": False}
         overrides: dict[str, Any] = {}
         if request.cache.threshold is not None:
@@ -365,9 +374,14 @@ class LLMRuntime:
             context=request.messages[:-1],
             params={"max_tokens": request.max_tokens, "temperature": request.temperature},
         )
-        response, hit = await self.cache.through(
-            request.tenant, scope, request.messages[-1]["content"], call, policy=policy
-        )
+        try:
+            response, hit = await self.cache.through(
+                request.tenant, scope, request.messages[-1]["content"], call, policy=policy
+            )
+        except Exception:
+            probe().cache_lookup("miss")  # a hit raises nothing: the call behind a miss failed
+            raise
+        probe().cache_lookup("miss" if hit is None else "exact_hit" if hit.exact else "semantic_hit")
         if hit is None:
             return {**response, "cacheHit": False}
         # This job spent nothing: its usage and cost are zero; what the answer cost when it was

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypedDict, runtime_checkable
 
 from sluice.errors import PermanentError, SluiceError, Throttled
+from sluice.probes import probe
 
 Role = Literal["system", "user", "assistant"]
 
@@ -181,3 +182,49 @@ class Provider(Protocol):
     async def aclose(self) -> None:
         """Close connections (the provider is not used afterwards)."""
         ...
+
+
+async def complete_observed(
+    provider: Provider,
+    messages: Sequence[Message],
+    *,
+    model: str,
+    max_tokens: int,
+    temperature: float | None = None,
+    idempotency_key: str | None = None,
+) -> Completion:
+    """``provider.complete``, reported to the process's probe (sluice/probes.py): the call's
+    outcome, the answer's tokens by kind and its cost. Every chat call of Sluice's own
+    handlers (llm-inference, failure-analysis) goes through here."""
+    try:
+        answer = await provider.complete(
+            messages,
+            model=model,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            idempotency_key=idempotency_key,
+        )
+    except Exception as exc:
+        probe().provider_call(provider.name, model, _call_outcome(exc))
+        raise
+    listener = probe()
+    usage = answer.usage
+    listener.provider_call(provider.name, model, "ok")
+    # prompt_tokens include the cached part; 'prompt' counts the rest, so the kinds add up.
+    listener.tokens(provider.name, model, "prompt", max(usage.prompt_tokens - usage.cached_tokens, 0))
+    listener.tokens(provider.name, model, "completion", usage.completion_tokens)
+    listener.tokens(provider.name, model, "cached", usage.cached_tokens)
+    if answer.cost is not None:
+        listener.cost(provider.name, model, answer.cost)
+    return answer
+
+
+def _call_outcome(exc: Exception) -> str:
+    """A failed provider call as ``sluice_provider_calls_total`` names it."""
+    if isinstance(exc, Throttled):
+        return "throttled"
+    if isinstance(exc, ProviderUnavailable):
+        return "unavailable"
+    if isinstance(exc, ProviderRejected):
+        return "rejected"
+    return "error"

@@ -8,16 +8,20 @@ Two kinds of series, from two places:
   over jobs: the live states' sizes and the cumulative ``stats`` hash (``Queue.counts``),
   the flow gates (``Queue.flow``), the workers' heartbeats, the held-reservations index's
   size, the pressure gauge's last reading, and at most ``MAX_BUDGETS`` budgets (the ones
-  the store's ledger copies; their names are read from PostgreSQL once a minute).
+  the store's ledger copies; their names are read from PostgreSQL once a minute). Also
+  the refusals by gate the dispatch script counts (``Queue.refusals``) and the latency
+  histograms folded from every worker's cumulative bins (``Queue.latency_totals``,
+  ``sketch.histogram``).
 * **Per-process** (``sluice_api_*``): requests by route and status, their latency,
   submissions by outcome and the intake's batches, counted by :class:`Instrument` (an
   ASGI middleware outside everything else: FastAPI's routes and the fast lane alike).
   Under ``sluice serve -p N`` these use prometheus-client's multiprocess mode:
   ``sluice serve`` gives its uvicorn workers a fresh ``PROMETHEUS_MULTIPROC_DIR`` (and
   removes it at exit), every process writes its values there, and the process that
-  answers a scrape adds them all up (``MultiProcessCollector``). Without that variable
-  (one process: ``sluice serve -p 1``, ``sluice dev``, tests) they live in an ordinary
-  registry of the process.
+  answers a scrape adds them all up (``MultiProcessCollector``). ``sluice dev`` sets it
+  too, and hands the same directory to its workers, so their series (worker_metrics.py)
+  appear here as well. Without that variable (one process: ``sluice serve -p 1``, tests)
+  they live in an ordinary registry of the process.
 
 prometheus-client decides between the two when it is first imported, from the
 environment; this module is imported with the app, after ``sluice serve`` set it.
@@ -26,24 +30,28 @@ environment; this module is imported with the app, after ``sluice serve`` set it
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import glob
 import logging
 import os
-import re
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from sqlalchemy import select
 
+from sluice.engine.sketch import histogram
 from sluice.errors import SluiceError
 from sluice.service.context import REFUSED
+from sluice.service.multiproc import MULTIPROC_ENV, merged
 from sluice.store.schema import BudgetRow
 
 if TYPE_CHECKING:
@@ -53,8 +61,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.service")
 
-#: prometheus-client's variable: the directory of the processes' value files.
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: Budgets exported per scrape (their names sorted), and how long the list of names is kept.
 MAX_BUDGETS = 100
 BUDGET_NAMES_SECONDS = 60.0
@@ -244,13 +250,16 @@ async def queue_snapshot(svc: Services) -> list[Metric]:
         log.warning("metrics: the budgets' names could not be read from the store", exc_info=True)
         names = []
     try:
-        counts, flow, workers, held, pressure, budgets = await asyncio.gather(
-            q.counts(),
-            q.flow(),
-            q.workers(),
-            q.redis.zcard(q.keys.held),
-            svc.pressure.read(),
-            q.budgets.get_many(names) if names else _none(),
+        (counts, flow, workers, held, pressure, budgets), (refusals, latency) = await asyncio.gather(
+            asyncio.gather(
+                q.counts(),
+                q.flow(),
+                q.workers(),
+                q.redis.zcard(q.keys.held),
+                svc.pressure.read(),
+                q.budgets.get_many(names) if names else _none(),
+            ),
+            asyncio.gather(q.refusals(), q.latency_totals()),
         )
     except (SluiceError, OSError, ConnectionError) as exc:
         log.warning("metrics: the queue could not be read (%s)", exc)
@@ -274,7 +283,7 @@ async def queue_snapshot(svc: Services) -> list[Metric]:
         if name in _LIVE_STATES:
             continue
         outcomes.add_metric([qn, "dead" if name == "dead_total" else name], value)
-    out += [jobs, outcomes]
+    out += [jobs, outcomes, _refusals_family(qn, refusals), *_latency_families(qn, latency)]
 
     def one(name: str, doc: str, value: float | None) -> None:
         if value is not None:
@@ -351,6 +360,45 @@ async def queue_snapshot(svc: Services) -> list[Metric]:
     return out
 
 
+def _refusals_family(qn: str, refusals: dict[str, int]) -> Metric:
+    refused = CounterMetricFamily(
+        "sluice_queue_refusals",
+        "Dispatch calls a gate refused (counted in the dispatch script, once per gate per call, "
+        "for every worker): paused, throttled, concurrency, rate, token_rate, budget.",
+        labels=["queue", "gate"],
+    )
+    for gate, n in refusals.items():
+        refused.add_metric([qn, gate], n)
+    return refused
+
+
+#: The latency histograms, by the sketch's metric names (engine/sketch.py).
+LATENCY_FAMILIES = {
+    "queue_wait": (
+        "sluice_job_queue_wait_seconds",
+        "From when an attempt could run (created, or its delay or backoff over) to its dispatch.",
+    ),
+    "processing": ("sluice_job_processing_seconds", "From an attempt's dispatch to its outcome."),
+    "end_to_end": (
+        "sluice_job_end_to_end_seconds",
+        "From a job's creation to the outcome that ended it (completed or dead).",
+    ),
+}
+
+
+def _latency_families(qn: str, totals: dict[str, dict[str, int]]) -> list[Metric]:
+    """The workers' cumulative latency bins (all of them, from Redis) as histograms. A
+    sample within 2 % below an edge may be counted in the next bucket (sketch.histogram)."""
+    out: list[Metric] = []
+    for metric, (name, doc) in LATENCY_FAMILIES.items():
+        h = histogram(totals.get(metric, {}))
+        family = HistogramMetricFamily(name, doc + " All workers, from Redis.", labels=["queue"])
+        buckets = [(floatToGoString(edge), count) for edge, count in h.buckets]  # type: ignore[no-untyped-call]
+        family.add_metric([qn], buckets, round(h.sum, 6))
+        out.append(family)
+    return out
+
+
 async def _none() -> list[Any]:
     return []
 
@@ -410,47 +458,8 @@ class _Scrape(Collector):
         if path is None:
             yield from LOCAL.collect()
         else:
-            prune_dead(path)
-            registry = CollectorRegistry(auto_describe=False)
-            MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
-            yield from registry.collect()
+            yield from merged(path)
         yield from self.families
-
-
-_LIVE_FILE = re.compile(r"gauge_live\w*?_(\d+)\.db$")
-
-
-def prune_dead(path: str) -> list[int]:
-    """Drop the live gauges of processes that are gone (uvicorn restarts a killed worker
-    under a new pid and has no hook for its end). Their counters and histograms stay: the
-    totals must not go back."""
-    dead: set[int] = set()
-    for name in glob.glob(os.path.join(path, "gauge_live*_*.db")):
-        found = _LIVE_FILE.search(os.path.basename(name))
-        if found is None:
-            continue
-        pid = int(found.group(1))
-        if not _alive(pid):
-            dead.add(pid)
-    for pid in dead:
-        with contextlib.suppress(OSError):
-            mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
-    return sorted(dead)
-
-
-def _alive(pid: int) -> bool:
-    """The process runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, someone else's
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (OSError, IndexError):  # no /proc (not Linux), or it ended meanwhile
-        return True
 
 
 def wants_prometheus(accept: str | None) -> bool:

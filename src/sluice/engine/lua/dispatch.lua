@@ -4,7 +4,8 @@
 -- dispatch step after it may fill.
 --
 -- KEYS[1] waiting   KEYS[2] delayed   KEYS[3] active   KEYS[4] events
--- KEYS[5] stats     KEYS[6] wake      KEYS[7] job key prefix   KEYS[8] dead
+-- KEYS[5] stats (the cumulative counters, and refused:<gate>: see count_refusals)
+-- KEYS[6] wake      KEYS[7] job key prefix   KEYS[8] dead
 -- KEYS[9 .. 15]     flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
 -- KEYS[16] calls    (hash: worker id -> its last call's request id, codes and leases)
 -- KEYS[17] epoch    (string: the queue's epoch, made here if missing)
@@ -105,6 +106,7 @@ out[at + 1] = now
 out[at + 2] = epoch
 local taken, wait = take_jobs(K, G, now, max_jobs, tonumber(ARGV[3]), ARGV[4], out, C)
 flush_counts(K.stats, C)
+count_refusals(K, G, max_jobs)
 -- Wake another worker only if the queue is open: a refused worker learns
 -- when to come back (next_due), and a freed slot wakes one through the
 -- finishing worker's own call. A caller that takes nothing hands the wake-up on.

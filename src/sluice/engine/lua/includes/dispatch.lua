@@ -21,6 +21,10 @@
 --     tokens (the estimate), budget ('' if none), correlation id ('' if none),
 --     due ('' if none: when a delay or a retry's backoff made it runnable)
 --   `wait` is 0 when nothing refused, else as for queue_wait.
+--   Each gate that refuses is noted in G.refused (paused, throttled,
+--   concurrency, rate, token_rate, budget).
+-- count_refusals(K, G, max_jobs): adds the noted gates to the stats hash
+--   ('refused:<gate>', one HINCRBY each): dispatch calls each gate refused.
 -- next_due(K, wait): the earliest time something may become runnable without
 --   any other event: a delayed job, a parked budget's retry time, or `wait`.
 --
@@ -144,7 +148,8 @@ local function load_gates(K, now)
   local f = redis.call('HMGET', K.control, 'paused', 'throttled_until', 'concurrency', 'rate_max',
                        'rate_ms', 'tpm')
   local G = {paused = f[1] == '1', until_ms = tonumber(f[2]) or 0, conc = tonumber(f[3]),
-             rate_max = tonumber(f[4]), rate_ms = tonumber(f[5]) or 0, tpm = nil, cache = {}}
+             rate_max = tonumber(f[4]), rate_ms = tonumber(f[5]) or 0, tpm = nil, cache = {},
+             refused = {}}
   if G.conc then G.active = redis.call('ZCARD', K.active) end
   if G.rate_max then
     -- Counted, not pruned, to be exact: ZCOUNT is O(log n) however many starts
@@ -162,11 +167,17 @@ local function load_gates(K, now)
   return G
 end
 
+-- The gate that refused this call, noted once per gate (see count_refusals).
+local function refused(G, gate)
+  G.refused[gate] = true
+end
+
 local function queue_wait(K, G, now)
-  if G.paused then return -1 end
-  if G.until_ms > now then return G.until_ms end
-  if G.conc and G.active >= G.conc then return -1 end
+  if G.paused then refused(G, 'paused'); return -1 end
+  if G.until_ms > now then refused(G, 'throttled'); return G.until_ms end
+  if G.conc and G.active >= G.conc then refused(G, 'concurrency'); return -1 end
   if G.rate_max and G.starts >= G.rate_max then
+    refused(G, 'rate')
     local first = redis.call('ZRANGEBYSCORE', K.starts, '(' .. (now - G.rate_ms), '+inf', 'WITHSCORES',
                              'LIMIT', 0, 1)
     return tonumber(first[2]) + G.rate_ms
@@ -214,11 +225,13 @@ local function admit_job(K, G, jk, id, f, score, now, C)
   local tpm = G.tpm
   if tpm then
     if tokens > tpm.limit then
+      refused(G, 'token_rate')
       reject_job(K, jk, id, 'token estimate ' .. tokens .. ' exceeds the queue token-rate limit of '
                  .. tpm.limit .. '; split the job or raise the limit', now, C)
       return 'skip'
     end
     if tpm.used + tokens > tpm.limit then
+      refused(G, 'token_rate')
       if tpm.behind then return 'block', now end -- 'used' still counts charges that left
       return 'block', roll_free_at(K, tpm, tokens)
     end
@@ -227,12 +240,14 @@ local function admit_job(K, G, jk, id, f, score, now, C)
   if budget then
     local chain, missing = cached_chain(K, G, budget, now)
     if not chain then
+      refused(G, 'budget')
       reject_job(K, jk, id, 'no budget named ' .. missing .. '; create it before adding jobs that use it',
                  now, C)
       return 'skip'
     end
     local refusing = refusing_level(chain, tokens)
     if refusing then
+      refused(G, 'budget')
       -- A level still counting charges that left its window refuses nothing
       -- yet: the step stops, and the caller comes back at once.
       for i = 1, #chain do
@@ -256,7 +271,11 @@ end
 
 local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
   local wait = queue_wait(K, G, now)
-  if max_jobs <= 0 or wait ~= 0 then return 0, wait end
+  if max_jobs <= 0 or wait ~= 0 then
+    -- A closed gate refuses nothing while nothing waits.
+    if wait ~= 0 and redis.call('EXISTS', K.waiting) == 0 then G.refused = {} end
+    return 0, wait
+  end
   local taken, examined = 0, 0
   local deadline = now + lease_ms
   -- Without a queue-wide limit nothing can stop the step half way, so the
@@ -344,6 +363,14 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
     return taken, now
   end
   return taken, 0
+end
+
+-- Adds 1 to the stats hash's 'refused:<gate>' for each gate that refused
+-- during this call: at most one HINCRBY per gate (six gates), however many
+-- jobs were looked at. A caller that asked for no jobs is refused nothing.
+local function count_refusals(K, G, max_jobs)
+  if max_jobs <= 0 then return end
+  for gate in pairs(G.refused) do redis.call('HINCRBY', K.stats, 'refused:' .. gate, 1) end
 end
 
 local function next_due(K, wait)
