@@ -69,6 +69,8 @@ CALLS: dict[str, Call] = {
     "Queue.workers": lambda q: q.workers(),
     "Queue.latency": lambda q: q.latency(60),
     "Queue.latency_series": lambda q: q.latency_series(300),
+    "Queue.latency_totals": lambda q: q.latency_totals(),
+    "Queue.refusals": lambda q: q.refusals(),
     "Queue.dead_letters": lambda q: q.dead_letters(),
     "Queue.redrive": lambda q: q.redrive(),
     "Queue.purge_dead": lambda q: q.purge_dead(),
