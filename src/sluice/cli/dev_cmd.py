@@ -24,6 +24,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from sluice import tracing
 from sluice.cli.errors import CliFailure
 from sluice.cli.output import stderr, stdout
 from sluice.cli.server import command_label, redis_url
@@ -105,6 +106,7 @@ def dev(
     with redis_url(None, stderr()) as rurl, database_url() as durl:
         options: dict[str, object] = {"redis_url": rurl, "database_url": durl}
         settings = ServiceSettings(**options)  # type: ignore[arg-type]
+        tracing.configure(Settings.from_env())  # the workers (sluice worker) read it too
         app = create_app(settings, auth=False)
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         server = uvicorn.Server(config)

@@ -14,6 +14,7 @@ from typing import Annotated
 import structlog
 import typer
 
+from sluice import tracing
 from sluice.cli.errors import debug_flag
 from sluice.cli.options import CONNECTION, RedisOpt, at_least, checked_name
 from sluice.cli.output import stderr
@@ -22,7 +23,7 @@ from sluice.cli.server import redis_url
 from sluice.engine.watchdog import EXIT_HARD_STOPPED
 from sluice.engine.worker import Worker
 from sluice.errors import ConfigurationError
-from sluice.settings import ENV_REDIS_URL
+from sluice.settings import ENV_REDIS_URL, Settings
 
 SETTINGS = "Worker settings (default: as the Worker object in your code sets them)"
 
@@ -170,6 +171,8 @@ def worker(
             raise typer.Exit(_supervise(target, processes, url, settings, worker_id, debug_flag(ctx)))
         if worker_id is not None:
             w.configure(worker_id=worker_id)
+        # Each worker process exports its own spans (a supervisor makes none).
+        tracing.configure(Settings.from_env())
         structlog.get_logger("sluice.cli").info(
             "worker process",
             pid=os.getpid(),
