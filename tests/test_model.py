@@ -191,7 +191,9 @@ def _specs(draw: st.DrawFn) -> JobSpec:
         budget=budget,
         on_exhausted=draw(st.sampled_from(["reject", "wait", "wait"])),
         correlation_id=draw(st.sampled_from([None, None, "req-1f3a"])),
-        trace_context=draw(st.sampled_from([None, None, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"])),
+        trace_context=draw(
+            st.sampled_from([None, None, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"])
+        ),
     )
 
 
