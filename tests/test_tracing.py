@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import tomllib
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from sluice.testing.provider import FAULTS_PATH, ProviderLimits, serve_provider
 from tests.otlp import Collector, Span, otlp_collector
 from tests.proc_harness import REPO
 from tests.service_harness import running_service
+from tests.test_using import block
 
 pytestmark = pytest.mark.slow
 
@@ -355,3 +358,48 @@ async def test_submissions_written_in_one_batch_keep_their_own_traces(
     assert {
         s.attributes["sluice.correlation_id"]: s.trace_id for s in spans if s.name == "sluice.enqueue"
     } == traces
+
+
+async def test_the_tracing_library_example(
+    queue: Queue, collector: Collector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/using.md, Tracing: the program's own provider, its exporter configured by the variable
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
+    namespace: dict[str, Any] = {}
+    exec(compile(block("tracing-library"), "docs/using.md", "exec"), namespace)  # noqa: S102 - the doc's code
+    provider = namespace["provider"]
+    try:
+        job_id = await namespace["summarize_later"](queue, "A long text to summarize.")
+        provider.force_flush()
+    finally:
+        tracing.disable()
+        provider.shutdown()
+    collector.wait_for(lambda spans: len(spans) >= 2)
+    request = one(collector.named("summarize request"))
+    enqueue = one(collector.named("sluice.enqueue"))
+    assert (enqueue.trace_id, enqueue.parent_id) == (request.trace_id, request.span_id)
+    assert enqueue.attributes["sluice.correlation_id"] == "req-42"
+    record = await queue.get_job(job_id)
+    assert record is not None and record.trace_context is not None
+    assert record.trace_context.startswith(f"00-{enqueue.trace_id}-{enqueue.span_id}-")
+
+
+async def test_the_tracing_worker_example(
+    queue: Queue, redis_url: str, prefix: str, tmp_path: Path, collector: Collector
+) -> None:
+    # docs/using.md, Tracing: the extra, two variables, the usual command (the endpoint here is
+    # the test's collector, the Worker the tests' own)
+    lines = block("tracing-worker").strip().splitlines()
+    assert lines[0] == "pip install 'sluice-queue[otel]'"
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("opentelemetry-exporter-otlp-proto-http") for dep in extras["otel"])
+    env = dict(line.removeprefix("export ").split("=", 1) for line in lines if line.startswith("export "))
+    assert set(env) == {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME"}
+    assert shlex.split(lines[-1])[:2] == ["sluice", "worker"]
+    env["OTEL_EXPORTER_OTLP_ENDPOINT"] = collector.url
+    job = await queue.add("flaky", {"succeed_on": 1})
+    with worker_process(redis_url, prefix, tmp_path, env):
+        await job.result(timeout=30)
+        (run,) = collector.wait_for(lambda spans: len(spans) >= 1)
+    assert run.name == f"process {QUEUE}" and run.service == env["OTEL_SERVICE_NAME"]
+    assert run.attributes["sluice.job.id"] == job.id
