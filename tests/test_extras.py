@@ -149,3 +149,19 @@ def test_pip_install_brings_the_engine_and_the_cli_and_nothing_optional(tmp_path
     assert lab.returncode == 1
     assert "pip install 'sluice-queue[lab]'" in lab.stderr + lab.stdout
     assert len((lab.stderr + lab.stdout).strip().splitlines()) == 1
+
+
+def test_tracing_switched_on_without_its_extra_stops_a_worker_with_one_line() -> None:
+    code = (
+        "import os, sys\n"
+        "os.environ['SLUICE_TRACING'] = 'on'\n"
+        "sys.argv = ['sluice', 'worker', 'sluice.service.handlers:worker', '--redis', 'redis://127.0.0.1:1/0']\n"
+        "from sluice.cli.app import main\n"
+        "main()\n"
+    )
+    out = run_hidden(["opentelemetry.sdk"], code)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "error: the 'otel' extra is needed for tracing (SLUICE_TRACING, OTEL_*) (opentelemetry.sdk.trace "
+        "is not installed): pip install 'sluice-queue[otel]'"
+    ]

@@ -212,6 +212,7 @@ async def test_an_api_request_continues_the_callers_trace_into_the_worker(
 
     server = one([s for s in collector.spans if s.kind == "server"])
     assert (server.trace_id, server.parent_id) == (TRACE_ID, PARENT_ID)
+    assert server.attributes["sluice.correlation_id"] == "req-api-1"
     enqueue = one(collector.named("sluice.enqueue"))
     assert enqueue.trace_id == TRACE_ID
     assert server.span_id in ancestors(collector.spans, enqueue)

@@ -105,6 +105,14 @@ def enqueue_scope(
     return tracer.enqueue(queue, [spec], tenant=tenant, job_uuid=job_uuid)
 
 
+def tag_request(correlation_id: str) -> None:
+    """Name the request's correlation id (its ``X-Request-ID``) on the current span: the API
+    request's server span, so that every span of a job's trace carries it."""
+    tracer = _tracer()
+    if tracer is not None:
+        tracer.tag_current_span(correlation_id)
+
+
 class LLMCall:
     """What a traced provider call learns once it answered (a no-op when tracing is off)."""
 

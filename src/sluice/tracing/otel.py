@@ -222,6 +222,10 @@ class OtelTracer:
         )
         return _Attempt(span, ctx)
 
+    @staticmethod
+    def tag_current_span(correlation_id: str) -> None:
+        trace.get_current_span().set_attribute("sluice.correlation_id", correlation_id)
+
     @contextlib.contextmanager
     def llm_call(self, provider: str, model: str, *, max_tokens: int | None = None) -> Iterator[LLMCall]:
         attributes: dict[str, Any] = {
