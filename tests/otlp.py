@@ -33,6 +33,7 @@ class Span:
     attributes: dict[str, Any]
     status: int  # 0 unset, 1 ok, 2 error
     service: str
+    events: list[tuple[str, dict[str, Any]]]
 
 
 def _value(v: AnyValue) -> Any:
@@ -40,6 +41,10 @@ def _value(v: AnyValue) -> Any:
     if which == "array_value":
         return [_value(x) for x in v.array_value.values]
     return getattr(v, which) if which else None
+
+
+def _attributes(pairs: Any) -> dict[str, Any]:
+    return {a.key: _value(a.value) for a in pairs}
 
 
 class Collector:
@@ -86,9 +91,10 @@ class Collector:
                             parent_id=s.parent_span_id.hex(),
                             name=s.name,
                             kind=KINDS.get(s.kind, str(s.kind)),
-                            attributes={a.key: _value(a.value) for a in s.attributes},
+                            attributes=_attributes(s.attributes),
                             status=s.status.code,
                             service=str(resource.get("service.name", "")),
+                            events=[(e.name, _attributes(e.attributes)) for e in s.events],
                         )
                     )
         with self._lock:

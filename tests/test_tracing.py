@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -175,7 +177,10 @@ async def test_one_trace_from_the_producer_through_retries_to_the_provider_call(
         assert attempt.attributes["sluice.tenant"] == "acme"
     assert [first.attributes["sluice.job.attempt"], second.attributes["sluice.job.attempt"]] == [1, 2]
     assert first.attributes["sluice.outcome"] == "retry" and first.status == 2  # an error
-    assert "ProviderUnavailable" in first.attributes["error.type"]
+    assert first.attributes["error.type"] == "ProviderUnavailable"
+    ((event, about),) = first.events
+    assert event == "exception" and about["exception.type"] == "ProviderUnavailable"
+    assert "HTTP 500" in about["exception.message"]
     assert second.attributes["sluice.outcome"] == "completed" and second.status != 2
 
     calls = {s.parent_id: s for s in collector.named("chat gpt-4o-mini")}
@@ -404,3 +409,44 @@ async def test_the_tracing_worker_example(
         (run,) = collector.wait_for(lambda spans: len(spans) >= 1)
     assert run.name == f"process {QUEUE}" and run.service == env["OTEL_SERVICE_NAME"]
     assert run.attributes["sluice.job.id"] == job.id
+
+
+def test_each_api_process_traces_when_the_environment_says_so(redis_url: str) -> None:
+    # `sluice serve` runs the ASGI factory in each API process: it reads the variables itself.
+    code = (
+        "import asyncio, httpx\n"
+        "from opentelemetry import trace\n"
+        "from sluice.service import asgi\n"
+        "app = asgi.app()\n"
+        "async def main():\n"
+        "    transport = httpx.ASGITransport(app=app)\n"
+        "    async with httpx.AsyncClient(transport=transport, base_url='http://api') as client:\n"
+        f"        headers = {{'traceparent': '00-{TRACE_ID}-{PARENT_ID}-01', 'X-Request-ID': 'req-serve'}}\n"
+        "        assert (await client.get('/healthz', headers=headers)).status_code == 200\n"
+        "asyncio.run(main())\n"
+        "trace.get_tracer_provider().force_flush()\n"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k != "SLUICE_TRACING"}
+    env = {
+        **clean,
+        "OTEL_TRACES_EXPORTER": "console",
+        "OTEL_SERVICE_NAME": "sluice-api",
+        ENV_REDIS_URL: redis_url,
+        "SLUICE_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none",  # not reached: no lifespan
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    spans = [json.loads(chunk) for chunk in re.findall(r"^\{.*?^\}", out.stdout, re.S | re.M)]
+    (server,) = [s for s in spans if s["kind"] == "SpanKind.SERVER"]
+    assert server["name"] == "GET /healthz"
+    assert (server["context"]["trace_id"], server["parent_id"]) == (f"0x{TRACE_ID}", f"0x{PARENT_ID}")
+    assert server["attributes"]["sluice.correlation_id"] == "req-serve"
+    assert server["resource"]["attributes"]["service.name"] == "sluice-api"

@@ -120,9 +120,15 @@ class _Attempt:
             if ctx.usage >= 0:
                 span.set_attribute("sluice.job.usage_tokens", ctx.usage)
             if outcome in _FAILED:
-                first = (error or "").splitlines()[0] if error else outcome
-                span.set_attribute("error.type", first.split(":", 1)[0][:200])
+                first, _, rest = (error or outcome).partition("\n")
+                kind = first.split(":", 1)[0][:200]
+                span.set_attribute("error.type", kind)
                 span.set_status(Status(StatusCode.ERROR, first[:500]))
+                # As record_exception would have it, from the error the attempt reports.
+                event = {"exception.type": kind, "exception.message": first[:500]}
+                if rest:
+                    event["exception.stacktrace"] = rest
+                span.add_event("exception", event)
             span.end()
         finally:
             otel_context.detach(self.token)
