@@ -227,7 +227,8 @@ ENVIRONMENT = (
     Variable(
         "OTEL_EXPORTER_OTLP_PROTOCOL",
         "http/protobuf",
-        "Must be http/protobuf (the 'otel' extra's exporter); grpc is refused with an error.",
+        "Must be http/protobuf (the 'otel' extra's exporter) when tracing is on: grpc stops a command "
+        "that would trace, with an error.",
     ),
     Variable(
         "OTEL_SERVICE_NAME",
@@ -238,6 +239,7 @@ ENVIRONMENT = (
 )
 
 LogFormat = Literal["console", "json"]
+_OTLP_PROTOCOL, _OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 #: Span exporters the 'otel' extra brings (OTEL_TRACES_EXPORTER).
 TRACE_EXPORTERS = ("otlp", "console")
 _LEVELS = ("debug", "info", "warning", "error")
@@ -255,8 +257,10 @@ class Settings:
     log_level: str = "info"
     log_format: LogFormat = "console"
     debug: bool = False
-    #: where spans go (OTEL_TRACES_EXPORTER); empty: tracing is off
+    #: where spans go (OTEL_TRACES_EXPORTER), as named; empty: tracing is off
     trace_exporters: tuple[str, ...] = ()
+    #: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or OTEL_EXPORTER_OTLP_PROTOCOL (None: not set)
+    otlp_protocol: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -274,6 +278,7 @@ class Settings:
             raise ConfigurationError(f"{ENV_DEBUG}={debug!r}: use 1 or 0 (or true/false, yes/no, on/off)")
         return cls(
             trace_exporters=_trace_exporters(env),
+            otlp_protocol=env.get(_OTLP_TRACES_PROTOCOL) or env.get(_OTLP_PROTOCOL),
             redis_url=env.get(ENV_REDIS_URL) or None,
             home=Path(env.get(ENV_HOME) or DEFAULT_HOME),
             redis_server=env.get(ENV_REDIS_SERVER) or None,
@@ -288,9 +293,10 @@ class Settings:
 
 
 def _trace_exporters(env: Mapping[str, str]) -> tuple[str, ...]:
-    """The span exporters asked for: none unless SLUICE_TRACING=on, or auto with an OTEL_*
-    variable that names where spans go (OpenTelemetry's own defaults would export to a
-    collector nobody asked for)."""
+    """The span exporters asked for, as named (``sluice.tracing.configure`` checks them, so a
+    value meant for another program stops only the commands that trace): none unless
+    SLUICE_TRACING=on, or auto with an OTEL_* variable that names where spans go
+    (OpenTelemetry's own default would export to a collector nobody asked for)."""
     mode = env.get(ENV_TRACING, "auto").strip().lower() or "auto"
     if mode not in ("auto", *_TRUE, *_FALSE):
         raise ConfigurationError(f"{ENV_TRACING}={mode!r}: use on, off or auto")
@@ -301,16 +307,4 @@ def _trace_exporters(env: Mapping[str, str]) -> tuple[str, ...]:
         return ()
     if mode == "auto" and not names and not endpoint:
         return ()
-    unknown = [n for n in names if n not in TRACE_EXPORTERS]
-    if unknown:
-        raise ConfigurationError(
-            f"OTEL_TRACES_EXPORTER={','.join(names)!r}: Sluice exports spans with "
-            f"{' or '.join(TRACE_EXPORTERS)} (or none: tracing off)"
-        )
-    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-    if protocol and protocol.strip().lower() != "http/protobuf" and "otlp" in (names or ["otlp"]):
-        raise ConfigurationError(
-            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: the 'otel' extra exports OTLP over HTTP; "
-            "set it to http/protobuf (a collector listens on port 4318 for it)"
-        )
     return tuple(dict.fromkeys(names or ["otlp"]))

@@ -22,8 +22,9 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sluice.engine import tracehooks
+from sluice.errors import ConfigurationError
 from sluice.extras import require
-from sluice.settings import Settings
+from sluice.settings import TRACE_EXPORTERS, Settings
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -40,12 +41,25 @@ def configure(settings: Settings) -> bool:
     """Switch tracing on if the settings ask for it (``Settings.trace_exporters``); True if on.
 
     Raises :class:`~sluice.errors.MissingExtra` when they do and the ``otel``
-    extra is not installed. Spans go to the exporters named (OTLP over HTTP by
+    extra is not installed, and ConfigurationError for an exporter or OTLP
+    protocol it does not bring. Spans go to the exporters named (OTLP over HTTP by
     default, to ``OTEL_EXPORTER_OTLP_ENDPOINT``), in batches, flushed when the
     process exits; a tracer provider the program set already is used as is.
     """
     if not settings.trace_exporters:
         return False
+    unknown = [name for name in settings.trace_exporters if name not in TRACE_EXPORTERS]
+    if unknown:
+        raise ConfigurationError(
+            f"OTEL_TRACES_EXPORTER={','.join(settings.trace_exporters)!r}: Sluice exports spans with "
+            f"{' or '.join(TRACE_EXPORTERS)} (or none: tracing off)"
+        )
+    protocol = settings.otlp_protocol
+    if "otlp" in settings.trace_exporters and protocol and protocol.strip().lower() != "http/protobuf":
+        raise ConfigurationError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: the 'otel' extra exports OTLP over HTTP; "
+            "set it to http/protobuf (a collector listens on port 4318 for it)"
+        )
     require("otel", _FEATURE, "opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http")
     from sluice.tracing.otel import provider_for
 
