@@ -155,7 +155,7 @@ def create_app(
         # FastAPI's native OpenTelemetry looks up its providers on every request (a few percent of
         # the API's CPU at full load) even when none is configured: on only for request spans, and
         # only when tracing is (sluice.tracing); metrics are Prometheus's.
-        telemetry=tracing.fastapi_telemetry(),  # type: ignore[arg-type]
+        telemetry=tracing.fastapi_telemetry(),
         responses=errors.responses(413),
     )
     errors.install(app)

@@ -27,6 +27,7 @@ from sluice.extras import require
 from sluice.settings import TRACE_EXPORTERS, Settings
 
 if TYPE_CHECKING:
+    from fastapi.telemetry import TelemetryConfig
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import TracerProvider as AnyTracerProvider
 
@@ -96,7 +97,7 @@ def tracer_provider() -> TracerProvider | AnyTracerProvider | None:
     return None if tracer is None else tracer.provider
 
 
-def fastapi_telemetry() -> dict[str, Any]:
+def fastapi_telemetry() -> TelemetryConfig:
     """``FastAPI(telemetry=...)``: request spans (continuing a caller's ``traceparent``) when
     tracing is on; all of FastAPI's telemetry off otherwise (it would look for providers on
     every request)."""
