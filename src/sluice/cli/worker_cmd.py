@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import structlog
 import typer
 
+from sluice import tracing
 from sluice.cli.errors import CliFailure, debug_flag
 from sluice.cli.options import CONNECTION, RedisOpt, at_least, checked_name
 from sluice.cli.output import stderr
@@ -23,7 +24,7 @@ from sluice.engine.watchdog import EXIT_HARD_STOPPED
 from sluice.engine.worker import Worker
 from sluice.errors import ConfigurationError, MissingExtra
 from sluice.extras import require
-from sluice.settings import ENV_METRICS_PORT, ENV_REDIS_URL
+from sluice.settings import ENV_METRICS_PORT, ENV_REDIS_URL, Settings
 from sluice.settings import ENV_WORKER_METRICS_DIR as ENV_HANDOFF
 
 #: prometheus-client's multiprocess directory (service/multiproc.py).
@@ -194,6 +195,8 @@ def worker(
             w.configure(worker_id=worker_id)
         if metrics_port is not None or handoff is not None:
             _metrics(metrics_port, handoff)
+        # Each worker process exports its own spans (a supervisor makes none).
+        tracing.configure(Settings.from_env())
         structlog.get_logger("sluice.cli").info(
             "worker process",
             pid=os.getpid(),

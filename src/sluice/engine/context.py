@@ -87,6 +87,7 @@ class JobContext:
         "stop_requested",
         "token",
         "tokens",
+        "trace_context",
         "usage",
         "worker_id",
     )
@@ -108,6 +109,7 @@ class JobContext:
         tokens: int = 0,
         budget: str | None = None,
         correlation_id: str | None = None,
+        trace_context: str | None = None,
     ) -> None:
         self.queue = queue
         self.id = job_id
@@ -127,6 +129,8 @@ class JobContext:
         self.budget = budget
         #: the id of the request that made the job (JobSpec.correlation_id), or None
         self.correlation_id = correlation_id
+        #: the W3C traceparent of the span that added the job (JobSpec.trace_context), or None
+        self.trace_context = trace_context
         #: tokens this attempt used, as reported with record_usage (-1: not reported)
         self.usage = -1
         #: set by the worker (from its event loop) when it wants this attempt to end; a plain

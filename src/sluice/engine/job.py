@@ -29,6 +29,28 @@ ON_EXHAUSTED = ("reject", "wait")
 _BUDGET_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 #: A correlation id: printable ASCII without spaces, so it is safe on a log line as is.
 _CORRELATION_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+#: A W3C ``traceparent``: version-traceid-parentid-flags in lowercase hex; a later version may
+#: append fields after a dash. Longer than this is not a trace context.
+MAX_TRACE_CONTEXT_LENGTH = 256
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-[\x21-\x7e]*)?$")
+
+
+def valid_trace_context(value: object) -> str | None:
+    """``value`` if it is a W3C traceparent that may be carried, else None.
+
+    A job's trace context only joins its spans to a trace: one that is too long, not in
+    the W3C format (version ff, an all-zero trace or parent id, an extra field on version
+    00) is dropped, never a reason to refuse or fail a job.
+    """
+    if not isinstance(value, str) or len(value) > MAX_TRACE_CONTEXT_LENGTH:
+        return None
+    found = _TRACEPARENT.match(value)
+    if found is None:
+        return None
+    version, trace_id, parent_id, extra = found.groups()
+    if version == "ff" or (version == "00" and extra) or not int(trace_id, 16) or not int(parent_id, 16):
+        return None
+    return value
 
 
 class JobState(enum.StrEnum):
@@ -96,6 +118,10 @@ class JobSpec:
     passes its ``X-Request-ID``), given to every attempt as
     ``JobContext.correlation_id`` and put on the worker's log lines about it,
     so that one id follows the work from the HTTP request to the handler.
+    ``trace_context``: the W3C ``traceparent`` of the span that added the job
+    (``sluice.tracing`` sets it when tracing is on), carried through Redis to
+    every attempt as ``JobContext.trace_context``; one that is malformed or
+    too long is dropped (set to None), never an error.
     """
 
     name: str
@@ -111,6 +137,7 @@ class JobSpec:
     budget: str | None = None
     on_exhausted: str = "reject"
     correlation_id: str | None = None
+    trace_context: str | None = None
 
     def __post_init__(self) -> None:
         given: object = self.name
@@ -157,6 +184,8 @@ class JobSpec:
             raise InvalidJobError(
                 f"correlation_id must be 1-128 printable ASCII characters without spaces, got {cid!r}"
             )
+        if self.trace_context is not None:
+            object.__setattr__(self, "trace_context", valid_trace_context(self.trace_context))
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +258,8 @@ class JobRecord:
     attempts_spend: tuple[AttemptSpend, ...] = ()
     #: the id of the request that made the job (JobSpec.correlation_id)
     correlation_id: str | None = None
+    #: the W3C traceparent of the span that added the job (JobSpec.trace_context), if valid
+    trace_context: str | None = None
 
     @classmethod
     def from_hash(cls, job_id: str, raw: dict[bytes, bytes], idem_prefix: str = "") -> JobRecord:
@@ -306,6 +337,7 @@ class JobRecord:
             spent=num("spent", optional=True) or 0,
             attempts_spend=_spend_list(job_id, h.get("spend")),
             correlation_id=h["cid"].decode() if "cid" in h else None,
+            trace_context=valid_trace_context(h["trace"].decode(errors="replace")) if "trace" in h else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -337,4 +369,5 @@ class JobRecord:
             "spent": self.spent,
             "attempts_spend": [dataclasses.asdict(a) for a in self.attempts_spend],
             "correlation_id": self.correlation_id,
+            "trace_context": self.trace_context,
         }

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from sluice.engine import tracehooks
 from sluice.engine.admin import QueueAdmin
 from sluice.engine.backoff import DEFAULT_BACKOFF, Backoff
 from sluice.engine.budgets import Budgets
@@ -230,12 +232,29 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
         self, specs: Iterable[JobSpec], progress: Callable[[int], None] | None = None
     ) -> list[Job]:
         specs = list(specs)
-        if not self._eviction_checked:
-            self._eviction_checked = True
-            await warn_if_evicting(self.redis)
         for i, spec in enumerate(specs):
             if not isinstance(spec, JobSpec):
                 raise InvalidJobError(f"add_bulk item {i} is {type(spec).__name__}, not a JobSpec")
+        scope = tracehooks.enqueue_scope(self.name, specs)
+        if scope is None:
+            return await self._add_specs(specs, progress)
+        given = scope.trace_context
+        if given is not None:
+            specs = [s if s.trace_context else dataclasses.replace(s, trace_context=given) for s in specs]
+        try:
+            jobs = await self._add_specs(specs, progress)
+        except BaseException as exc:
+            tracehooks.close_enqueue(scope, None, exc)
+            raise
+        tracehooks.close_enqueue(scope, [job.id for job in jobs], None)
+        return jobs
+
+    async def _add_specs(
+        self, specs: list[JobSpec], progress: Callable[[int], None] | None = None
+    ) -> list[Job]:
+        if not self._eviction_checked:
+            self._eviction_checked = True
+            await warn_if_evicting(self.redis)
         encoded = [self._encode(spec) for spec in specs]
         if len(specs) > BULK_CHUNK:
             await self._check_budgets(specs)
@@ -287,6 +306,7 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
                     index = idem_index[spec.idempotency_key] = len(keys) - fixed
             args.extend(enc)
             args.append(index)
+            args.append(spec.trace_context or "")
         reply = await self.scripts.add(keys=keys, args=args)
         if reply and reply[0] == -1:
             raise _no_budget(reply[1].decode())

@@ -35,12 +35,14 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from redis.exceptions import MovedError, NoScriptError, RedisError
 
+from sluice.engine import tracehooks
 from sluice.engine.backoff import Backoff
 from sluice.engine.clock import now_ms, script_now
 from sluice.engine.codec import decode, encode
 from sluice.engine.connection import MAX_BLOCK, REROUTE_ERRORS, blocking_client, server_for
 from sluice.engine.context import JobContext, set_current_job
 from sluice.engine.eviction import warn_if_evicting
+from sluice.engine.job import valid_trace_context
 from sluice.engine.protocol import LEASED_FIELDS, StepReply
 from sluice.engine.sketch import FLUSH_INTERVAL, LatencyRecorder
 from sluice.engine.transport import describe, server_url
@@ -614,6 +616,7 @@ class Runner:
                 tokens=int(f[9]),
                 budget=f[10].decode() or None,
                 correlation_id=f[11].decode() or None,
+                trace_context=valid_trace_context(f[13].decode(errors="replace")) if f[13] else None,
             )
         except (ValueError, TypeError, AttributeError) as exc:
             # A record this version cannot read: dead-letter it with the reason
@@ -651,7 +654,9 @@ class Runner:
         timer = None
         if job.timeout is not None:
             timer = asyncio.get_running_loop().call_later(job.timeout, self._time_out, job)
-        outcome: tuple[bytes, bytes, int] | None
+        # Opened on this task, so that the handler's own spans are children of the attempt's.
+        traced = tracehooks.attempt_scope(ctx)
+        outcome: tuple[bytes, bytes, int] | None = None
         try:
             outcome = await self._attempt(job, handler)
         except asyncio.CancelledError:
@@ -662,6 +667,8 @@ class Runner:
             if self.running.get(ctx.id) is job:
                 del self.running[ctx.id]
             self.kick.set()
+            if traced is not None:
+                tracehooks.close_attempt(traced, *_outcome_name(ctx, outcome))
         if outcome is not None:
             self.done.append((ctx.id, job.token, *outcome, ctx.usage))
         _ended_probe(job, outcome)
@@ -986,6 +993,20 @@ _TRANSIENT = (RedisError, OSError, RedisUnavailable, RedisCommandError)
 
 #: What a handler stopped by the runner reports: a cancel, or a release to waiting.
 _STOPPED = {"cancel": (b"x", b"cancelled by request", 0), "release": (b"r", b"", 0)}
+_OUTCOMES = {b"c": "completed", b"p": "dead", b"t": "throttled", b"x": "cancelled", b"r": "released"}
+
+
+def _outcome_name(ctx: JobContext, outcome: tuple[bytes, bytes, int] | None) -> tuple[str, str | None]:
+    """An attempt's outcome as a tracer names it, and the error it reports (if any)."""
+    if outcome is None:
+        return "lease_lost", None
+    kind, value = outcome[0], outcome[1]
+    if kind == b"f":
+        name = "retry" if ctx.attempt < ctx.max_attempts else "dead"
+    else:
+        name = _OUTCOMES.get(kind, kind.decode(errors="replace"))
+    error = value[:1000].decode(errors="replace") if kind in (b"f", b"p") else None
+    return name, error
 
 
 #: An attempt's outcome as metrics name it, by the dispatch script's kind.

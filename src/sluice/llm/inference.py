@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sluice import tracing
 from sluice.engine.budgets import Budgets
 from sluice.engine.job import JobSpec
 from sluice.engine.queue import Queue
@@ -420,6 +421,12 @@ def _default_model(provider: Provider) -> str:
     return str(getattr(provider, "default_model", None) or "default")
 
 
+def _span_names(runtime: LLMRuntime, request: InferenceRequest) -> tuple[str, str]:
+    """The provider and model a request asks for, by name (its trace span's)."""
+    provider = request.provider or runtime.provider.name
+    return provider, request.model or (runtime.model if provider == runtime.provider.name else "default")
+
+
 async def handle(runtime: LLMRuntime, job: JobContext) -> dict[str, Any]:
     """The ``llm-inference`` handler body, given the process's runtime.
 
@@ -436,7 +443,9 @@ async def handle(runtime: LLMRuntime, job: JobContext) -> dict[str, Any]:
             money.append(await _reserve_money(runtime, job, request, provider, model))
 
     try:
-        result = await runtime.run(request, idempotency_key=job.idempotency_key, before_call=reserve)
+        with tracing.llm_call(*_span_names(runtime, request), max_tokens=request.max_tokens) as traced:
+            result = await runtime.run(request, idempotency_key=job.idempotency_key, before_call=reserve)
+            traced.record(result)
     except Throttled:
         await _refund(money)  # the engine refunds the tokens of a throttled attempt itself
         raise

@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, RedirectResponse
 from pydantic import BaseModel
 
+from sluice import tracing
 from sluice.engine.queue import Queue
 from sluice.errors import RedisUnavailable
 from sluice.llm import tokens
@@ -132,8 +133,9 @@ def create_app(
         description="A budget-aware job queue for LLM workloads: jobs, budgets and queues over HTTP.",
         lifespan=lifespan,
         # FastAPI's native OpenTelemetry looks up its providers on every request (a few percent of
-        # the API's CPU at full load) even when none is configured; metrics are Prometheus's.
-        telemetry={"tracing": False, "metrics": False, "logs": False},
+        # the API's CPU at full load) even when none is configured: on only for request spans, and
+        # only when tracing is (sluice.tracing); metrics are Prometheus's.
+        telemetry=tracing.fastapi_telemetry(),
         responses=errors.responses(413),
     )
     errors.install(app)

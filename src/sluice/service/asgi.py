@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from sluice import logs
+from sluice import logs, tracing
 from sluice.service.app import create_app
 from sluice.service.config import ServiceSettings
 from sluice.settings import Settings
@@ -17,5 +17,7 @@ from sluice.settings import Settings
 def app() -> FastAPI:
     # Each API process logs as the CLI does (SLUICE_LOG_FORMAT=json: one JSON object a line);
     # a process uvicorn spawns starts with no handler of ours.
-    logs.configure(Settings.from_env())
+    settings = Settings.from_env()
+    logs.configure(settings)
+    tracing.configure(settings)  # SLUICE_TRACING / OTEL_*: each API process exports its own spans
     return create_app(ServiceSettings(), freeze=True)  # type: ignore[call-arg] # the URLs come from the environment

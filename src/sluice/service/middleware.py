@@ -14,6 +14,7 @@ import structlog
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sluice import tracing
 from sluice.service.errors import error_body
 
 #: A request id we accept from a client as is (anything else is replaced).
@@ -95,6 +96,7 @@ class RequestId:
             rid = uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state["request_id"] = rid
+        tracing.tag_request(rid)  # on the request's span, when tracing is on
         raw = rid.encode()
 
         async def with_id(msg: Message) -> None:

@@ -23,6 +23,8 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from sluice import tracing
+from sluice.engine import tracehooks
 from sluice.engine.backoff import Backoff
 from sluice.engine.codec import encode_limited
 from sluice.engine.job import JobSpec
@@ -200,11 +202,24 @@ class Intake:
                 f"provider's {self.token_rate_limit:,} tokens per minute: it could never run; send less"
             )
         spec = await self.check(new, engine_key(job_id))
+        # The job's span is opened here, in the request's context: the batch is written by
+        # another task, which carries the context of whichever request started it.
+        traced = tracing.enqueue_scope(self.queue.name, spec, tenant=new.tenant, job_uuid=str(job_id))
+        if traced is not None:
+            spec = dataclasses.replace(spec, trace_context=traced.trace_context)
         done: asyncio.Future[tuple[StoredJob, bool]] = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(new, job_id, spec, done))
         if self._writer is None:
             self._writer = asyncio.create_task(self._write_all(), name="sluice-intake")
-        return await done
+        if traced is None:
+            return await done
+        try:
+            result = await done
+        except BaseException as exc:
+            tracehooks.close_enqueue(traced, None, exc)
+            raise
+        tracehooks.close_enqueue(traced, None, None)
+        return result
 
     async def check(self, new: NewJob, idempotency_key: str | None = None) -> JobSpec:
         """What the engine would refuse, refused before anything is stored; the engine's job."""

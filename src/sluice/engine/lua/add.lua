@@ -5,10 +5,11 @@
 -- KEYS[8 + k]   the k-th idempotency key named by the jobs below
 -- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] events stream max length  ARGV[3] idempotency TTL (ms)
 -- ARGV[4] number of jobs n
--- ARGV[5 + 13 * (i - 1) ...] per job: name, payload (JSON), priority, delay (ms),
+-- ARGV[5 + 14 * (i - 1) ...] per job: name, payload (JSON), priority, delay (ms),
 --   max_attempts, backoff (JSON), timeout (ms, 0 = worker default), max_stalls,
 --   token estimate, budget name ('' = none), on_exhausted ('reject' | 'wait'),
---   correlation id ('' = none), idempotency key index k (0 = none)
+--   correlation id ('' = none), idempotency key index k (0 = none),
+--   trace context ('' = none: a W3C traceparent, checked by the caller, stored as is)
 --
 -- Returns {id_1, created_1, id_2, created_2, ...}: created is 1 for a new job
 -- and 0 when an idempotency key already named a job (its id is returned);
@@ -27,7 +28,7 @@ local idem_ttl = tonumber(ARGV[3])
 local n = tonumber(ARGV[4])
 local checked = {}
 for i = 1, n do
-  local budget = ARGV[5 + 13 * (i - 1) + 9]
+  local budget = ARGV[5 + 14 * (i - 1) + 9]
   if budget ~= '' and not checked[budget] then
     if redis.call('EXISTS', KEYS[8] .. budget) == 0 then return {-1, budget} end
     checked[budget] = true
@@ -37,7 +38,7 @@ end
 local out = {}
 local added = 0
 for i = 1, n do
-  local a = 5 + 13 * (i - 1)
+  local a = 5 + 14 * (i - 1)
   local idem_k = tonumber(ARGV[a + 12])
   local existing = false
   if idem_k > 0 then existing = redis.call('GET', KEYS[8 + idem_k]) end
@@ -58,6 +59,7 @@ for i = 1, n do
       'timeout_ms', ARGV[a + 6], 'max_stalls', ARGV[a + 7], 'created', now, 'tokens', ARGV[a + 8])
     if ARGV[a + 9] ~= '' then redis.call('HSET', jk, 'budget', ARGV[a + 9], 'on_ex', ARGV[a + 10]) end
     if ARGV[a + 11] ~= '' then redis.call('HSET', jk, 'cid', ARGV[a + 11]) end
+    if ARGV[a + 13] ~= '' then redis.call('HSET', jk, 'trace', ARGV[a + 13]) end
     if delay > 0 then
       redis.call('HSET', jk, 'due', now + delay)
       redis.call('ZADD', KEYS[3], now + delay, id)

@@ -1,0 +1,150 @@
+"""Traces: OpenTelemetry spans for a job's life, from the request that made it to the provider call.
+
+Optional twice over: the ``otel`` extra brings OpenTelemetry's SDK and its
+OTLP/HTTP exporter, and nothing is traced until tracing is switched on, by
+:func:`configure` (what ``sluice worker``, ``serve``, ``dev`` and ``enqueue``
+call with the environment's settings: ``SLUICE_TRACING``, ``OTEL_*``) or by
+:func:`enable` (a program of your own, with your tracer provider). Off,
+nothing here imports OpenTelemetry and each traced place costs a global read.
+
+One trace per job: the span that adds it (``sluice.enqueue``, a child of
+the API request's span or of whatever was current in your code) puts its W3C
+``traceparent`` in the job (``JobSpec.trace_context``, stored in Redis by the
+engine, which imports no tracing library); each attempt's ``process <queue>``
+span on the worker is its child, so retries are siblings, and a provider call
+(``chat <model>``) is the attempt's child. See docs/using.md, Tracing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from sluice.engine import tracehooks
+from sluice.errors import ConfigurationError
+from sluice.extras import require
+from sluice.settings import TRACE_EXPORTERS, Settings
+
+if TYPE_CHECKING:
+    from fastapi.telemetry import TelemetryConfig
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import TracerProvider as AnyTracerProvider
+
+    from sluice.engine.job import JobSpec
+    from sluice.engine.tracehooks import EnqueueScope
+    from sluice.tracing.otel import OtelTracer
+
+_FEATURE = "tracing (SLUICE_TRACING, OTEL_*)"
+
+
+def configure(settings: Settings) -> bool:
+    """Switch tracing on if the settings ask for it (``Settings.trace_exporters``); True if on.
+
+    Raises :class:`~sluice.errors.MissingExtra` when they do and the ``otel``
+    extra is not installed, and ConfigurationError for an exporter or OTLP
+    protocol it does not bring. Spans go to the exporters named (OTLP over HTTP by
+    default, to ``OTEL_EXPORTER_OTLP_ENDPOINT``), in batches, flushed when the
+    process exits; a tracer provider the program set already is used as is.
+    """
+    if not settings.trace_exporters:
+        return False
+    unknown = [name for name in settings.trace_exporters if name not in TRACE_EXPORTERS]
+    if unknown:
+        raise ConfigurationError(
+            f"OTEL_TRACES_EXPORTER={','.join(settings.trace_exporters)!r}: Sluice exports spans with "
+            f"{' or '.join(TRACE_EXPORTERS)} (or none: tracing off)"
+        )
+    protocol = settings.otlp_protocol
+    if "otlp" in settings.trace_exporters and protocol and protocol.strip().lower() != "http/protobuf":
+        raise ConfigurationError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: the 'otel' extra exports OTLP over HTTP; "
+            "set it to http/protobuf (a collector listens on port 4318 for it)"
+        )
+    require("otel", _FEATURE, "opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http")
+    from sluice.tracing.otel import provider_for
+
+    enable(provider_for(settings.trace_exporters))
+    return True
+
+
+def enable(tracer_provider: AnyTracerProvider | None = None) -> None:
+    """Trace with ``tracer_provider`` (default: OpenTelemetry's global one, as your program set
+    it up). Needs the ``otel`` extra (opentelemetry-api at least)."""
+    require("otel", _FEATURE, "opentelemetry.trace")
+    from sluice.tracing.otel import OtelTracer
+
+    tracehooks.install(OtelTracer(tracer_provider))
+
+
+def disable() -> None:
+    """Stop tracing (spans already made are still exported by their provider)."""
+    tracehooks.install(None)
+
+
+def _tracer() -> OtelTracer | None:
+    tracer = tracehooks.installed()
+    if tracer is None:
+        return None
+    from sluice.tracing.otel import OtelTracer
+
+    return tracer if isinstance(tracer, OtelTracer) else None
+
+
+def tracer_provider() -> TracerProvider | AnyTracerProvider | None:
+    """The provider spans go to, or None when tracing is off."""
+    tracer = _tracer()
+    return None if tracer is None else tracer.provider
+
+
+def fastapi_telemetry() -> TelemetryConfig:
+    """``FastAPI(telemetry=...)``: request spans (continuing a caller's ``traceparent``) when
+    tracing is on; all of FastAPI's telemetry off otherwise (it would look for providers on
+    every request)."""
+    provider = tracer_provider()
+    if provider is None:
+        return {"tracing": False, "metrics": False, "logs": False}
+    return {"tracer_provider": provider, "metrics": False, "logs": False}
+
+
+def enqueue_scope(
+    queue: str, spec: JobSpec, *, tenant: str | None = None, job_uuid: str | None = None
+) -> EnqueueScope | None:
+    """A ``sluice.enqueue`` span for one job a service accepts (``job_uuid``: the id the API
+    answers), a child of the current span (the request's); None when tracing is off. Its
+    trace context goes into the job (``dataclasses.replace(spec, trace_context=...)``); end
+    it with ``tracehooks.close_enqueue``."""
+    tracer = _tracer()
+    if tracer is None:
+        return None
+    return tracer.enqueue(queue, [spec], tenant=tenant, job_uuid=job_uuid)
+
+
+def tag_request(correlation_id: str) -> None:
+    """Name the request's correlation id (its ``X-Request-ID``) on the current span: the API
+    request's server span, so that every span of a job's trace carries it."""
+    tracer = _tracer()
+    if tracer is not None:
+        tracer.tag_current_span(correlation_id)
+
+
+class LLMCall:
+    """What a traced provider call learns once it answered (a no-op when tracing is off)."""
+
+    def record(self, result: Mapping[str, Any]) -> None:
+        """The answer: its model, token usage, cost and whether the cache served it."""
+
+
+_UNTRACED = LLMCall()
+
+
+@contextlib.contextmanager
+def llm_call(provider: str, model: str, *, max_tokens: int | None = None) -> Iterator[LLMCall]:
+    """A ``chat <model>`` client span around one provider call (or cache lookup), a child of
+    the running attempt's span."""
+    tracer = _tracer()
+    if tracer is None:
+        yield _UNTRACED
+        return
+    with tracer.llm_call(provider, model, max_tokens=max_tokens) as call:
+        yield call
