@@ -275,7 +275,7 @@ class ModelJob:
 
 @dataclass(frozen=True)
 class LeasedJob:
-    """The 14 values dispatch returns per leased job, typed as Redis returns them."""
+    """The 15 values dispatch returns per leased job, typed as Redis returns them."""
 
     id: bytes
     token: int
@@ -291,6 +291,7 @@ class LeasedJob:
     correlation_id: bytes
     due: bytes
     trace_context: bytes
+    priority: bytes
 
     def flat(self) -> list[bytes | int]:
         return [
@@ -308,6 +309,7 @@ class LeasedJob:
             self.correlation_id,
             self.due,
             self.trace_context,
+            self.priority,
         ]
 
 
@@ -728,6 +730,7 @@ class Model:
             (s.correlation_id or "").encode(),
             b"" if job.due is None else str(job.due).encode(),
             (s.trace_context or "").encode(),
+            str(s.priority).encode(),
         )
 
     def _next_due(self, wait: int) -> int:

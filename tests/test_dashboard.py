@@ -122,6 +122,7 @@ async def test_the_live_stream_counts_what_happens_while_it_runs(api: Running) -
     assert [b["name"] for b in snaps[-1]["budgets"]] == ["team-a"]
     assert snaps[-1]["flow"]["paused"] is False and snaps[-1]["workers"] == {"count": 0, "slots": 0}
     assert not any(k.startswith("_") for k in snaps[-1])
+    assert snaps[-1]["refusals"] == await queue.refusals()
 
     mine = await api.client.get("/v1/live", params={"interval": 0.5, "seconds": 0.6}, headers=tenant)
     (first, *_) = [data for name, data in _events(mine.content) if name == "snapshot"]

@@ -187,6 +187,9 @@ async def test_live_numbers_move_while_jobs_run_and_an_admin_can_pause(
         await page.click("#pause")
         await expect(page.locator("#flow-state")).to_have_text("paused", timeout=5_000)
         assert (await queue.flow()).paused
+        await _submit(client, admin, {"type": "generic", "payload": {}})  # the worker is turned away
+        await expect(page.locator("#flow-refusals")).to_contain_text("paused", timeout=5_000)
+        await expect(page.locator("#state-waiting")).to_have_text("1")
         await page.click("#resume")
         await expect(page.locator("#flow-state")).to_have_text("running", timeout=5_000)
         assert not (await queue.flow()).paused
@@ -195,6 +198,7 @@ async def test_live_numbers_move_while_jobs_run_and_an_admin_can_pause(
         await expect(page.locator("#flow-state")).to_contain_text("throttled for", timeout=5_000)
         until = (await queue.flow()).throttled_until_ms
         assert until is not None and until > time.time() * 1000 + 20_000
+        await expect(page.locator("#total-completed")).to_have_text("26", timeout=10_000)  # resumed
         await b.shot("overview")
         assert b.problems == []
         assert b.outside == []

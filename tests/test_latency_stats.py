@@ -119,7 +119,7 @@ async def test_windows_drop_old_buckets(queue: Queue, redis: Redis) -> None:
     # and hold every sample.
     keys = [k.decode() async for k in redis.scan_iter(match=queue.keys.latency_prefix + "*")]
     assert keys
-    totals = {queue.keys.latency_total(m) for m in ("p", "w")}
+    totals = {queue.keys.latency_total(m, "0") for m in ("p", "w")} | {queue.keys.latency_priorities}
     assert totals <= set(keys)
     for key in keys:
         ttl = await redis.pttl(key)
@@ -128,8 +128,31 @@ async def test_windows_drop_old_buckets(queue: Queue, redis: Redis) -> None:
         else:
             assert 0 < ttl <= (KEEP_10S_MS if ":10s:" in key else KEEP_1M_MS)
     cumulative = await queue.latency_totals()
-    assert sum(cumulative["processing"].values()) == 2 and sum(cumulative["queue_wait"].values()) == 1
+    assert (
+        sum(cumulative["processing"]["0"].values()) == 2 and sum(cumulative["queue_wait"]["0"].values()) == 1
+    )
     assert cumulative["end_to_end"] == {}
+
+
+async def test_cumulative_bins_are_kept_per_priority_for_32_priorities_then_shared(
+    queue: Queue, redis: Redis
+) -> None:
+    """Each priority has its own cumulative bins (the per-priority histograms), up to 32;
+    the priorities seen after those share 'other', so an exporter reads a bounded number."""
+    recorder = LatencyRecorder(queue.keys, queue.scripts)
+    now = await queue_now_ms(queue)
+    for p in range(40):
+        for _ in range(p % 3 + 1):
+            recorder.add("processing", 10.0 * (p + 1), now, priority=p - 20)
+    await recorder.flush()
+    assert await redis.scard(queue.keys.latency_priorities) == 32
+    totals = (await queue.latency_totals())["processing"]
+    assert len(totals) == 33 and "other" in totals
+    assert sum(sum(b.values()) for b in totals.values()) == sum(p % 3 + 1 for p in range(40))
+    own = [label for label in totals if label != "other"]
+    assert own == sorted(own, key=int)  # in numeric order
+    # the window still has every sample, whatever the priority
+    assert (await queue.latency(60, now=now)).metrics["processing"].count == sum(p % 3 + 1 for p in range(40))
 
 
 async def test_a_flush_is_split_into_bounded_calls(queue: Queue, redis: Redis) -> None:
@@ -145,7 +168,7 @@ async def test_a_flush_is_split_into_bounded_calls(queue: Queue, redis: Redis) -
     ten = queue.keys.latency("p", "10s", now // 10_000)
     assert await redis.hlen(ten) == distinct
     # The script itself refuses a call past its bound.
-    args: list[str | int] = [1000, 1000]
+    args: list[str | int] = [1000, 1000, 0]
     for key in range(FLUSH_PAIRS + 1):
         args += [str(key), 1]
     with pytest.raises(ResponseError, match="at most 256"):
@@ -162,8 +185,8 @@ async def test_two_worker_processes_share_the_bins(
             procs.start(wid, grace=5.0)
         for wid in ("w1", "w2"):
             await procs.procs[["w1", "w2"].index(wid)].wait_log("serving queue q")
-        for hold in holds:
-            await queue.add("task", {"hold": hold_for[hold]})
+        for hold in holds:  # the short jobs first in line (priority 1), the long ones after (5)
+            await queue.add("task", {"hold": hold_for[hold]}, priority=1 if hold < 0.1 else 5)
 
         async def all_counted() -> bool:
             window = await queue.latency(60)
@@ -173,6 +196,13 @@ async def test_two_worker_processes_share_the_bins(
         runs = {(await queue.get_job(str(i))).worker for i in range(1, 31)}  # type: ignore[union-attr]
         assert runs == {"w1", "w2"}
         window = await queue.latency(60)
+        totals = await queue.latency_totals()
+    # The cumulative bins (the Prometheus histograms) know each job's priority, from its lease.
+    for metric in ("queue_wait", "processing", "end_to_end"):
+        assert {p: sum(b.values()) for p, b in totals[metric].items()} == {"1": 10, "5": 20}, metric
+    assert max(int(k) for k in totals["processing"]["1"] if k != "z") < min(
+        int(k) for k in totals["processing"]["5"] if k != "z"
+    )  # the 50 ms jobs were priority 1, the 200 ms ones 5
     processing = window.metrics["processing"]
     # rank floor(0.5 * 29) = 14: the 15th shortest, a 200 ms job. Processing is the sleep plus
     # the handler's own Redis call and the outcome's trip to Redis: scheduling noise on top.

@@ -205,8 +205,9 @@ async def test_the_histograms_hold_the_sketchs_counts_within_the_bucket_edge_err
     durations = [0.0, 1.0, 2.0, 5.0, 9.9, 10.0, 10.1, 24.6, 25.0, 99.0, 100.0, 250.0, 999.0, 1000.0]
     durations += [1500.0, 30_000.0, 3_600_000.0, 7_200_000.0] + [37.0 * i for i in range(1, 200)]
     for d in durations:
-        recorder.add("processing", d, now)
-    recorder.add("queue_wait", 3.0, now)
+        recorder.add("processing", d, now, priority=5)
+    recorder.add("queue_wait", 3.0, now, priority=5)
+    recorder.add("queue_wait", 4.0, now, priority=-2)  # another priority: a series of its own
     await recorder.flush()
 
     window = (await queue.latency(60, now=now)).metrics
@@ -214,12 +215,16 @@ async def test_the_histograms_hold_the_sketchs_counts_within_the_bucket_edge_err
     q = queue.name
 
     def series(name: str, **labels: str) -> float:
-        return found[(name, frozenset({("queue", q), *labels.items()}))]
+        return found[
+            (name, frozenset({("queue", q), ("priority", labels.pop("priority", "5")), *labels.items()}))
+        ]
 
-    # The histogram counts what the sketch counts
+    # The histogram counts what the sketch counts, per priority
     assert series("sluice_job_processing_seconds_count") == window["processing"].count == len(durations)
-    assert series("sluice_job_queue_wait_seconds_count") == window["queue_wait"].count == 1
-    assert series("sluice_job_end_to_end_seconds_count") == window["end_to_end"].count == 0
+    assert series("sluice_job_queue_wait_seconds_count") == 1
+    assert series("sluice_job_queue_wait_seconds_count", priority="-2") == 1
+    assert window["queue_wait"].count == 2
+    assert not any(name.startswith("sluice_job_end_to_end_seconds") for name, _ in found)
     # Each bucket is within the edge error of the exact count: nothing above the edge, and
     # everything at or below edge / GAMMA (2 % under it).
     previous = 0.0
@@ -233,7 +238,7 @@ async def test_the_histograms_hold_the_sketchs_counts_within_the_bucket_edge_err
     exact_sum = sum(durations) / 1000
     assert series("sluice_job_processing_seconds_sum") == pytest.approx(exact_sum, rel=0.01)
     # The exposition is the engine's own fold of the cumulative bins
-    folded = histogram((await queue.latency_totals())["processing"])
+    folded = histogram((await queue.latency_totals())["processing"]["5"])
     assert [c for _, c in folded.buckets] == [
         series("sluice_job_processing_seconds_bucket", le=_le(e)) for e in [*HISTOGRAM_EDGES, math.inf]
     ]

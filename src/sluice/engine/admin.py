@@ -18,6 +18,7 @@ from sluice.engine.job import JobRecord, JobState
 from sluice.engine.keys import check_job_id
 from sluice.engine.sketch import (
     METRICS,
+    OTHER_PRIORITIES,
     RELATIVE_ACCURACY,
     Percentiles,
     bucket_keys,
@@ -291,14 +292,23 @@ class QueueAdmin:
         return {gate: int(v or 0) for gate, v in zip(GATES, raw, strict=True)}
 
     @reads
-    async def latency_totals(self) -> dict[str, dict[str, int]]:
-        """Every latency metric's cumulative bins since the queue began (engine/sketch.py):
-        queue_wait, processing, end_to_end -> {bin: count}."""
+    async def latency_totals(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Every latency metric's cumulative bins since the queue began, per priority
+        (engine/sketch.py): queue_wait, processing, end_to_end -> {priority: {bin: count}}.
+        The first 32 priorities the queue saw have their own; later ones share ``other``."""
+        members = await self.redis.smembers(self.keys.latency_priorities)
+        labels = sorted((m.decode() if isinstance(m, bytes) else m for m in members), key=_priority_order)
+        labels.append(OTHER_PRIORITIES)
         async with self.redis.pipeline(transaction=False) as pipe:
             for metric in METRICS:
-                pipe.hgetall(self.keys.latency_total(short_name(metric)))
+                for label in labels:
+                    pipe.hgetall(self.keys.latency_total(short_name(metric), label))
             raw: list[dict[bytes, bytes]] = await pipe.execute()
-        return {metric: merge([h]) for metric, h in zip(METRICS, raw, strict=True)}
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for i, metric in enumerate(METRICS):
+            hashes = raw[i * len(labels) : (i + 1) * len(labels)]
+            out[metric] = {label: merge([h]) for label, h in zip(labels, hashes, strict=True) if h}
+        return out
 
     async def dead_letters(self, offset: int = 0, limit: int = 100) -> list[JobRecord]:
         """Dead-lettered jobs, oldest first, with their last error."""
@@ -359,3 +369,11 @@ class QueueAdmin:
 def _chunks(items: list[str], size: int) -> Iterable[list[str]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+def _priority_order(label: str) -> tuple[int, str]:
+    """Priorities in their numeric order (a label that is not a number, last)."""
+    try:
+        return int(label), ""
+    except ValueError:
+        return 2**63, label

@@ -126,6 +126,12 @@ class QueueKeys:
         """One latency bucket hash (engine/sketch.py): ``lat:<metric>:<10s|1m>:<n>``."""
         return f"{self.latency_prefix}{metric}:{resolution}:{index}"
 
-    def latency_total(self, metric: str) -> str:
-        """A latency metric's cumulative bins, never expiring: ``lat:<metric>:all``."""
-        return f"{self.latency_prefix}{metric}:all"
+    def latency_total(self, metric: str, priority: str) -> str:
+        """A latency metric's cumulative bins for one priority (or ``other``), never expiring:
+        ``lat:<metric>:all:<priority>``."""
+        return f"{self.latency_prefix}{metric}:all:{priority}"
+
+    @property
+    def latency_priorities(self) -> str:
+        """The priorities that have cumulative latency bins of their own (a set, capped)."""
+        return f"{self.latency_prefix}priorities"

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 Outcome = tuple[str, bytes, bytes, bytes, int, int]
 
 #: Fields per leased job in a step's reply (see lua/includes/dispatch.lua).
-LEASED_FIELDS = 14
+LEASED_FIELDS = 15
 
 
 class StepReply(NamedTuple):

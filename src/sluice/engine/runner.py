@@ -535,7 +535,7 @@ class Runner:
                 self.done.append((f[0].decode(), f[1], b"r", b"", 0, 0))
                 self.kick.set()
             elif self._start(f):
-                self._timing[(f[0].decode(), f[1])] = [reply.now, *_runnable_since(f)]
+                self._timing[(f[0].decode(), f[1])] = [reply.now, *_runnable_since(f), _priority(f)]
 
     def _record_latency(self, outcomes: list[Outcome], codes: list[int], now: int) -> None:
         """Bin the durations of the attempts Redis has just taken the outcomes of.
@@ -549,11 +549,11 @@ class Runner:
             timing = self._timing.pop((outcome[0], outcome[1]), None)
             if timing is None or code not in (1, 2, 3):
                 continue
-            dispatch, created, runnable = timing
-            self.latency.add("queue_wait", max(dispatch - runnable, 0), now)
-            self.latency.add("processing", max(now - dispatch, 0), now)
+            dispatch, created, runnable, priority = timing
+            self.latency.add("queue_wait", max(dispatch - runnable, 0), now, priority)
+            self.latency.add("processing", max(now - dispatch, 0), now, priority)
             if code != 2:
-                self.latency.add("end_to_end", max(now - created, 0), now)
+                self.latency.add("end_to_end", max(now - created, 0), now, priority)
 
     async def _latency_loop(self) -> None:
         while not self._closing:
@@ -1037,6 +1037,14 @@ def _describe(exc: BaseException) -> bytes:
     head = f"{type(exc).__name__}: {exc}\n"
     data = (head + text).encode(errors="replace")
     return data[:MAX_ERROR_BYTES]
+
+
+def _priority(f: list[Any]) -> int:
+    """A leased job's priority (0 if its record holds none that reads as an integer)."""
+    try:
+        return int(f[14]) if f[14] else 0
+    except ValueError:
+        return 0
 
 
 def _runnable_since(f: list[Any]) -> tuple[int, int]:

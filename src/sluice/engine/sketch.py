@@ -17,8 +17,9 @@ time-bucketed hashes, one per (queue, metric, bucket): 10 s buckets kept
 itself. A worker that crashes loses what it had not flushed (at most about a
 second of samples). :func:`summarize` merges the buckets a window covers.
 
-The same flush adds the counts to one cumulative hash per (queue, metric) that
-never expires: the API exports it as a Prometheus histogram
+The same flush adds the counts to one cumulative hash per (queue, metric,
+priority) that never expires (the first 32 priorities a queue sees; later ones
+share ``other``): the API exports them as Prometheus histograms
 (:func:`histogram`, fixed edges :data:`HISTOGRAM_EDGES`), so ``rate()`` and
 ``histogram_quantile`` work over any range Prometheus keeps.
 """
@@ -173,19 +174,19 @@ def bucket_keys(keys: QueueKeys, metric: str, now_ms: int, window_ms: int) -> li
 
 
 class LatencyRecorder:
-    """A worker process's bins, by (metric, 10 s bucket), until they are flushed."""
+    """A worker process's bins, by (metric, 10 s bucket, priority), until they are flushed."""
 
     def __init__(self, keys: QueueKeys, scripts: Scripts) -> None:
         self.keys = keys
         self.scripts = scripts
-        self._bins: dict[tuple[str, int], dict[str, int]] = {}
+        self._bins: dict[tuple[str, int, int], dict[str, int]] = {}
         #: samples flushed, and flush script calls made, since the start
         self.flushed = 0
         self.calls = 0
 
-    def add(self, metric: str, value_ms: float, at_ms: int) -> None:
-        """Count one duration that ended at ``at_ms`` (Redis's clock)."""
-        slot = (metric, at_ms // BUCKET_10S_MS)
+    def add(self, metric: str, value_ms: float, at_ms: int, priority: int = 0) -> None:
+        """Count one duration that ended at ``at_ms`` (Redis's clock), of a job of ``priority``."""
+        slot = (metric, at_ms // BUCKET_10S_MS, priority)
         bins = self._bins.get(slot)
         if bins is None:
             bins = self._bins[slot] = {}
@@ -203,23 +204,30 @@ class LatencyRecorder:
         applied: sending it again could count twice)."""
         taken, self._bins = self._bins, {}
         calls = 0
-        for (metric, index), bins in taken.items():
+        for (metric, index, priority), bins in taken.items():
             short = _SHORT[metric]
-            ten = self.keys.latency(short, "10s", index)
-            minute = self.keys.latency(short, "1m", index * BUCKET_10S_MS // BUCKET_1M_MS)
-            total = self.keys.latency_total(short)
+            keys = [
+                self.keys.latency(short, "10s", index),
+                self.keys.latency(short, "1m", index * BUCKET_10S_MS // BUCKET_1M_MS),
+                self.keys.latency_total(short, str(priority)),
+                self.keys.latency_total(short, OTHER_PRIORITIES),
+                self.keys.latency_priorities,
+            ]
             pairs = list(bins.items())
             for start in range(0, len(pairs), FLUSH_PAIRS):
                 chunk = pairs[start : start + FLUSH_PAIRS]
-                args: list[Any] = [KEEP_10S_MS, KEEP_1M_MS]
+                args: list[Any] = [KEEP_10S_MS, KEEP_1M_MS, priority]
                 for field, count in chunk:
                     args += (field, count)
-                await self.scripts.latency(keys=[ten, minute, total], args=args)
+                await self.scripts.latency(keys=keys, args=args)
                 calls += 1
                 self.flushed += sum(c for _, c in chunk)
         self.calls += calls
         return calls
 
+
+#: The label of the cumulative bins of every priority past the first 32 a queue saw.
+OTHER_PRIORITIES = "other"
 
 #: The ``le`` edges (seconds) of the exported histograms, below +Inf.
 HISTOGRAM_EDGES = (

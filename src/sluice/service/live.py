@@ -170,12 +170,13 @@ def _budget_out(state: BudgetState, burn: float | None, now_ms: int) -> dict[str
 
 async def snapshot(svc: Services, who: Caller, previous: dict[str, Any] | None = None) -> dict[str, Any]:
     """The queue now: states, cumulative totals, rates since ``previous`` (per second; None
-    for the first), flow gates, pressure, workers, and budgets for an admin (None otherwise).
+    for the first), flow gates and the dispatch calls each refused, pressure, workers, and
+    budgets for an admin (None otherwise).
     ``_mono`` is for the next call's rates, not for sending. Raises SluiceError (or OSError)
     when Redis cannot be read."""
     q = svc.queue
-    counts, flow, workers, pressure = await asyncio.gather(
-        q.counts(), q.flow(), q.workers(), svc.pressure.read()
+    counts, flow, workers, pressure, refusals = await asyncio.gather(
+        q.counts(), q.flow(), q.workers(), svc.pressure.read(), q.refusals()
     )
     totals = {k: v for k, v in counts.items() if k not in _LIVE_STATES}
     rates: dict[str, float] | None = None
@@ -193,6 +194,8 @@ async def snapshot(svc: Services, who: Caller, previous: dict[str, Any] | None =
         "totals": totals,
         "rates": rates,
         "flow": dataclasses.asdict(flow),
+        # dispatch calls each gate turned away since the queue began
+        "refusals": refusals,
         "pressure": dataclasses.asdict(pressure),
         "workers": {"count": len(workers), "slots": slots},
         # the sampler's last reading (None: not read yet), an admin's only

@@ -386,15 +386,19 @@ LATENCY_FAMILIES = {
 }
 
 
-def _latency_families(qn: str, totals: dict[str, dict[str, int]]) -> list[Metric]:
-    """The workers' cumulative latency bins (all of them, from Redis) as histograms. A
-    sample within 2 % below an edge may be counted in the next bucket (sketch.histogram)."""
+def _latency_families(qn: str, totals: dict[str, dict[str, dict[str, int]]]) -> list[Metric]:
+    """The workers' cumulative latency bins (all of them, from Redis) as histograms per
+    priority (the first 32 a queue saw; later ones as ``other``). A sample within 2 % below
+    an edge may be counted in the next bucket (sketch.histogram)."""
     out: list[Metric] = []
     for metric, (name, doc) in LATENCY_FAMILIES.items():
-        h = histogram(totals.get(metric, {}))
-        family = HistogramMetricFamily(name, doc + " All workers, from Redis.", labels=["queue"])
-        buckets = [(floatToGoString(edge), count) for edge, count in h.buckets]  # type: ignore[no-untyped-call]
-        family.add_metric([qn], buckets, round(h.sum, 6))
+        family = HistogramMetricFamily(
+            name, doc + " All workers, from Redis; per priority.", labels=["queue", "priority"]
+        )
+        for priority, bins in totals.get(metric, {}).items():
+            h = histogram(bins)
+            buckets = [(floatToGoString(edge), count) for edge, count in h.buckets]  # type: ignore[no-untyped-call]
+            family.add_metric([qn, priority], buckets, round(h.sum, 6))
         out.append(family)
     return out
 
@@ -432,6 +436,13 @@ def _budget_families(qn: str, budgets: Iterable[Any]) -> list[Metric]:
         "beyond_estimates": CounterMetricFamily(
             "sluice_budget_beyond_estimates_tokens",
             "Tokens charged beyond reservations' estimates.",
+            labels=labels,
+        ),
+        "charged": CounterMetricFamily(
+            "sluice_budget_charged_tokens",
+            "Tokens of every settled reservation since the budget was made, whatever its "
+            "windows: what it spent (its rate() is the burn rate; it restarts at 0 when a "
+            "budget is restored after Redis lost it).",
             labels=labels,
         ),
     }

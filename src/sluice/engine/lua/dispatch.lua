@@ -22,7 +22,7 @@
 -- ARGV[9 + 6 * (i - 1) ...] per finished job: id, token, kind, value, retry in (ms from
 --   now, for kind 'f'), tokens used (-1 = not reported)
 --
--- Returns {n, code_1..code_n, next_due, now, epoch, <14 values per taken job>...}
+-- Returns {n, code_1..code_n, next_due, now, epoch, <15 values per taken job>...}
 -- (codes: see includes/finish.lua; next_due and jobs: see includes/dispatch.lua;
 -- now is the script's clock, so a worker can time next_due without trusting its own;
 -- epoch names this life of the queue's data, so that provider idempotency keys
@@ -47,7 +47,7 @@ local function replay(K, rec, now, epoch)
     local id, token = rec.l[i], rec.l[i + 1]
     local f = redis.call('HMGET', K.jobp .. id, 'state', 'token', 'name', 'payload', 'attempt',
                          'max_attempts', 'timeout_ms', 'backoff', 'created', 'tokens', 'budget', 'cid',
-                         'due', 'trace')
+                         'due', 'trace', 'priority')
     if f[1] == 'active' and f[2] == token then
       local n = #out
       out[n + 1] = id
@@ -64,6 +64,7 @@ local function replay(K, rec, now, epoch)
       out[n + 12] = f[12] or ''
       out[n + 13] = f[13] or ''
       out[n + 14] = f[14] or ''
+      out[n + 15] = f[15] or ''
     end
   end
   return out

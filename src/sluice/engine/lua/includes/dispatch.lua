@@ -16,11 +16,11 @@
 --   considered; a queue-wide gate stops the step (strict priority order).
 --   At most EXAMINE_MAX jobs are looked at; a call stopped there with jobs
 --   still waiting answers wait = now (come back at once).
---   Appends LEASED_FIELDS (14) values per job to `out`:
+--   Appends LEASED_FIELDS (15) values per job to `out`:
 --     id, token, name, payload, attempt, max_attempts, timeout_ms, backoff, created,
 --     tokens (the estimate), budget ('' if none), correlation id ('' if none),
 --     due ('' if none: when a delay or a retry's backoff made it runnable),
---     trace context ('' if none)
+--     trace context ('' if none), priority (as added)
 --   `wait` is 0 when nothing refused, else as for queue_wait.
 --   Each gate that refuses is noted in G.refused (paused, throttled,
 --   concurrency, rate, token_rate, budget).
@@ -45,7 +45,7 @@ local PROMOTE_MAX = 100   -- delayed jobs promoted
 local UNPARK_BUDGETS = 2  -- budgets whose parked jobs are tried again
 local UNPARK_MAX = 50     -- parked jobs looked at per such budget
 local EXAMINE_MAX = 40    -- units of take_jobs' work: a job looked at is 1, each level it charges 2
-local LEASED_FIELDS = 14  -- values per leased job in a reply (protocol.py says the same)
+local LEASED_FIELDS = 15  -- values per leased job in a reply (protocol.py says the same)
 
 -- The job's budget and those above it, loaded once per script call.
 local function cached_chain(K, G, name, now)
@@ -304,7 +304,7 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
       local jk = K.jobp .. id
       local f = redis.call('HMGET', jk, 'name', 'payload', 'max_attempts', 'timeout_ms', 'backoff',
                            'created', 'attempt', 'token', 'tokens', 'budget', 'on_ex', 'score',
-                           'parked', 'cid', 'due', 'trace')
+                           'parked', 'cid', 'due', 'trace', 'priority')
       if not f[1] then
         -- The record is gone (deleted by hand, or evicted): nothing to run.
         if gated then redis.call('ZREM', K.waiting, id) end
@@ -355,6 +355,7 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
           out[n + 12] = f[14] or ''
           out[n + 13] = f[15] or ''
           out[n + 14] = f[16] or ''
+          out[n + 15] = f[17] or ''
           taken = taken + 1
         end
       end

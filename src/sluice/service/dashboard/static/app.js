@@ -205,6 +205,8 @@
     }
     $("#workers").textContent = `${fmt(s.workers.count)} (${fmt(s.workers.slots)})`;
     renderFlow(s.flow, s.pressure);
+    const refused = Object.entries(s.refusals).filter(([, n]) => n > 0).map(([gate, n]) => `${gate.replace("_", " ")} ${fmt(n)}`);
+    $("#flow-refusals").textContent = refused.length ? refused.join(", ") + " (since the queue began)" : "none";
     if (s.rates) {
       rates[0].push(s.at);
       rates[1].push(s.rates.added);
