@@ -149,6 +149,19 @@ async def browser(base: str) -> AsyncIterator[Browser]:
             await chromium.close()
 
 
+@contextlib.asynccontextmanager
+async def scene(
+    redis_url: str, database_url: str, prefix: str
+) -> AsyncIterator[tuple[Served, Browser, httpx.AsyncClient]]:
+    """The service, a browser and an HTTP client on it."""
+    async with (
+        served(redis_url, database_url, prefix) as api,
+        browser(api.base) as b,
+        httpx.AsyncClient(base_url=api.base) as client,
+    ):
+        yield api, b, client
+
+
 async def _submit(client: httpx.AsyncClient, key: str, body: dict[str, Any]) -> str:
     resp = await client.post("/v1/jobs", json=body, headers={"Authorization": f"Bearer {key}"})
     assert resp.status_code == 201, resp.text
@@ -162,9 +175,7 @@ async def test_live_numbers_move_while_jobs_run_and_an_admin_can_pause(
     redis_url: str, sluice_database_url: str, prefix: str
 ) -> None:
     async with (
-        served(redis_url, sluice_database_url, prefix) as api,
-        browser(api.base) as b,
-        httpx.AsyncClient(base_url=api.base) as client,
+        scene(redis_url, sluice_database_url, prefix) as (api, b, client),
         running(service_worker(prefix=prefix), redis_url),
     ):
         admin = await api.key("ops", admin=True)
@@ -209,11 +220,7 @@ async def test_live_numbers_move_while_jobs_run_and_an_admin_can_pause(
 async def test_a_redrive_from_the_page_reaches_the_queue(
     redis_url: str, sluice_database_url: str, prefix: str
 ) -> None:
-    async with (
-        served(redis_url, sluice_database_url, prefix) as api,
-        browser(api.base) as b,
-        httpx.AsyncClient(base_url=api.base) as client,
-    ):
+    async with scene(redis_url, sluice_database_url, prefix) as (api, b, client):
         admin = await api.key("ops", admin=True)
         body = {"type": "generic", "payload": {"fail": True}, "max_attempts": 1}
         ids = [await _submit(client, admin, body) for _ in range(2)]
@@ -271,11 +278,7 @@ async def test_a_redrive_from_the_page_reaches_the_queue(
 async def test_a_tenant_key_never_sees_another_tenants_jobs(
     redis_url: str, sluice_database_url: str, prefix: str
 ) -> None:
-    async with (
-        served(redis_url, sluice_database_url, prefix) as api,
-        browser(api.base) as b,
-        httpx.AsyncClient(base_url=api.base) as client,
-    ):
+    async with scene(redis_url, sluice_database_url, prefix) as (api, b, client):
         acme, globex = await api.key("acme"), await api.key("globex")
         theirs = [await _submit(client, acme, {"type": "generic", "payload": {"n": i}}) for i in range(3)]
         mine = [

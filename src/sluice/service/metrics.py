@@ -7,7 +7,7 @@ Two kinds of series, from two places:
   the same figures and no worker repeats them. A few concurrent reads, none of them a scan
   over jobs: the live states' sizes and the cumulative ``stats`` hash (``Queue.counts``),
   the flow gates (``Queue.flow``), the workers' heartbeats, the held-reservations index's
-  size, the pressure gauge's last reading, and at most ``MAX_BUDGETS`` budgets (the ones
+  size, the pressure gauge's last reading, and at most ``live.MAX_BUDGETS`` budgets (the ones
   the store's ledger copies; their names are read from PostgreSQL once a minute). Also
   the refusals by gate the dispatch script counts (``Queue.refusals``) and the latency
   histograms folded from every worker's cumulative bins (``Queue.latency_totals``,
@@ -46,13 +46,12 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
-from sqlalchemy import select
 
 from sluice.engine.sketch import histogram
 from sluice.errors import SluiceError
 from sluice.service.context import REFUSED
+from sluice.service.live import budget_names
 from sluice.service.multiproc import MULTIPROC_ENV, merged
-from sluice.store.schema import BudgetRow
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -61,9 +60,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.service")
 
-#: Budgets exported per scrape (their names sorted), and how long the list of names is kept.
-MAX_BUDGETS = 100
-BUDGET_NAMES_SECONDS = 60.0
 #: The routes that submit jobs (``sluice_api_submissions_total``).
 SUBMISSION_PATHS = frozenset({"/jobs", "/v1/jobs", "/v1/jobs/batch", "/enqueue"})
 
@@ -211,26 +207,6 @@ class Instrument:
 # ---- the queue's metrics, read from Redis at scrape time -------------------------------------------
 
 
-async def _budget_names(svc: Services) -> list[str]:
-    """The budgets the store's ledger copies for this queue (sorted, at most MAX_BUDGETS),
-    read from PostgreSQL at most once every BUDGET_NAMES_SECONDS."""
-    cached = svc.metrics_cache.get("budgets")
-    now = time.monotonic()
-    if cached is not None and now - cached[0] < BUDGET_NAMES_SECONDS:
-        names: list[str] = cached[1]
-        return names
-    async with svc.db.sessions() as session:
-        rows = await session.scalars(
-            select(BudgetRow.name)
-            .where(BudgetRow.queue == svc.queue.name)
-            .order_by(BudgetRow.name)
-            .limit(MAX_BUDGETS)
-        )
-        names = list(rows.all())
-    svc.metrics_cache["budgets"] = (now, names)
-    return names
-
-
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
@@ -245,7 +221,7 @@ async def queue_snapshot(svc: Services) -> list[Metric]:
         "sluice_redis_up", "1 when the scrape could read the queue from Redis.", labels=["queue"]
     )
     try:
-        names = await _budget_names(svc)
+        names = await budget_names(svc)
     except Exception:  # the store down: the queue's figures without budgets
         log.warning("metrics: the budgets' names could not be read from the store", exc_info=True)
         names = []
