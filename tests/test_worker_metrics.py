@@ -4,6 +4,7 @@ the API builds from the workers' cumulative bins."""
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import json
 import math
@@ -21,13 +22,14 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
 
-from sluice import Queue
+from sluice import Backoff, JobContext, JobState, Queue, Worker
 from sluice.engine.clock import queue_now_ms
 from sluice.engine.sketch import GAMMA, HISTOGRAM_EDGES, LatencyRecorder, histogram
 from sluice.testing.embedded import free_port
 from sluice.testing.provider import ProviderLimits, serve_provider
-from tests.conftest import eventually
+from tests.conftest import eventually, running
 from tests.proc_harness import REPO, WorkerProcs, open_gate
 from tests.service_harness import Running, running_service
 from tests.stepping import step
@@ -389,3 +391,53 @@ def test_a_taken_metrics_port_is_one_line_that_says_what_to_do(
     assert f"cannot serve metrics on port {port}" in done.stderr and "--metrics-port" in done.stderr
     assert "Traceback" not in done.stderr
     assert list(scratch.iterdir()) == []  # the supervisor's folder is removed
+
+
+# ---- how attempts end, as the handler histogram labels them -----------------------------------------
+
+
+async def test_a_timeout_and_a_last_failure_are_labelled_as_such(
+    redis: Redis, prefix: str, queue: Queue
+) -> None:
+    """A timed-out attempt is ``timed_out`` (the runner reports it as a failure), a failure
+    with no attempt left ``dead``, an earlier one ``failed``: what the outcome was, as the
+    trace's attempt span says it too."""
+    from sluice.probes import install
+    from sluice.service import worker_series
+    from sluice.service.worker_metrics import PrometheusProbe
+
+    w = Worker("q", prefix=prefix, lease=5, hard_grace=5)
+
+    @w.handler
+    async def sleepy(job: JobContext) -> None:
+        await asyncio.sleep(2)
+
+    @w.handler
+    async def boom(job: JobContext) -> None:
+        raise RuntimeError("no")
+
+    def count(job_type: str, outcome: str) -> float:
+        labels = {"job_type": job_type, "outcome": outcome}
+        return (
+            worker_series.REGISTRY.get_sample_value("sluice_worker_handler_duration_seconds_count", labels)
+            or 0
+        )
+
+    before = {k: count(*k) for k in [("sleepy", "timed_out"), ("boom", "failed"), ("boom", "dead")]}
+    install(PrometheusProbe())
+    try:
+        async with running(w, redis):
+            slow = await queue.add("sleepy", timeout=0.2, max_attempts=1)
+            failing = await queue.add("boom", max_attempts=2, backoff=Backoff.fixed(0.05))
+            for job in (slow, failing):
+                await eventually(lambda job=job: _dead(queue, job.id), timeout=10)
+    finally:
+        install(None)
+    assert count("sleepy", "timed_out") - before[("sleepy", "timed_out")] == 1
+    assert count("boom", "failed") - before[("boom", "failed")] == 1
+    assert count("boom", "dead") - before[("boom", "dead")] == 1
+
+
+async def _dead(queue: Queue, job_id: str) -> bool:
+    record = await queue.get_job(job_id)
+    return record is not None and record.state == JobState.DEAD

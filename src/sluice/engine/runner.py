@@ -639,7 +639,10 @@ class Runner:
             job.label = "unregistered"
         job.started = time.monotonic()
         self.running[job_id] = job
-        probe().attempt_started(job.label)
+        try:
+            probe().attempt_started(job.label)
+        except Exception:  # a metrics hook's own failure: the job runs all the same
+            log.exception("worker: the metrics probe failed on job %s's start", job_id)
         if self._watchdog is not None:
             # Watched from now: if another job blocks the loop before this one's task
             # first runs, a hard stop still releases it.
@@ -1022,8 +1025,21 @@ _OUTCOME_LABELS = {
 
 
 def _ended_probe(job: _Running, outcome: tuple[bytes, bytes, int] | None) -> None:
-    label = "lease_lost" if outcome is None else _OUTCOME_LABELS.get(outcome[0], "other")
-    probe().attempt_ended(job.label, label, time.monotonic() - job.started)
+    """Tell the metrics how the attempt ended: a timeout as ``timed_out`` (the runner reports
+    it as a failure), a failure with no attempt left as ``dead``. A probe that raises is
+    logged, never lets the attempt's outcome go unreported."""
+    if outcome is None:
+        label = "lease_lost"
+    elif job.timed_out_at is not None and outcome[0] in (b"f", b"o"):
+        label = "timed_out"
+    elif outcome[0] == b"f" and job.ctx.is_last_attempt:
+        label = "dead"
+    else:
+        label = _OUTCOME_LABELS.get(outcome[0], "other")
+    try:
+        probe().attempt_ended(job.label, label, time.monotonic() - job.started)
+    except Exception:  # a metrics hook's own failure
+        log.exception("worker: the metrics probe failed on job %s's outcome", job.ctx.id)
 
 
 def _reraise_if_cancelled() -> None:

@@ -179,19 +179,29 @@ class LatencyRecorder:
     def __init__(self, keys: QueueKeys, scripts: Scripts) -> None:
         self.keys = keys
         self.scripts = scripts
-        self._bins: dict[tuple[str, int, int], dict[str, int]] = {}
+        self._bins: dict[tuple[str, int, str], dict[str, int]] = {}
+        #: the priorities given labels of their own here: past MAX_PRIORITIES the rest are
+        #: 'other', so a flush makes a bounded number of calls whatever producers send
+        self._priorities: set[int] = set()
         #: samples flushed, and flush script calls made, since the start
         self.flushed = 0
         self.calls = 0
 
     def add(self, metric: str, value_ms: float, at_ms: int, priority: int = 0) -> None:
         """Count one duration that ended at ``at_ms`` (Redis's clock), of a job of ``priority``."""
-        slot = (metric, at_ms // BUCKET_10S_MS, priority)
+        slot = (metric, at_ms // BUCKET_10S_MS, self._label(priority))
         bins = self._bins.get(slot)
         if bins is None:
             bins = self._bins[slot] = {}
         field = bin_of(value_ms)
         bins[field] = bins.get(field, 0) + 1
+
+    def _label(self, priority: int) -> str:
+        if priority not in self._priorities:
+            if len(self._priorities) >= MAX_PRIORITIES:
+                return OTHER_PRIORITIES
+            self._priorities.add(priority)
+        return str(priority)
 
     @property
     def pending(self) -> int:
@@ -209,7 +219,7 @@ class LatencyRecorder:
             keys = [
                 self.keys.latency(short, "10s", index),
                 self.keys.latency(short, "1m", index * BUCKET_10S_MS // BUCKET_1M_MS),
-                self.keys.latency_total(short, str(priority)),
+                self.keys.latency_total(short, priority),
                 self.keys.latency_total(short, OTHER_PRIORITIES),
                 self.keys.latency_priorities,
             ]
@@ -228,6 +238,9 @@ class LatencyRecorder:
 
 #: The label of the cumulative bins of every priority past the first 32 a queue saw.
 OTHER_PRIORITIES = "other"
+#: Priorities with cumulative bins of their own, per queue (lua/latency.lua says the same)
+#: and per worker process (:class:`LatencyRecorder`).
+MAX_PRIORITIES = 32
 
 #: The ``le`` edges (seconds) of the exported histograms, below +Inf.
 HISTOGRAM_EDGES = (

@@ -10,7 +10,7 @@
 --   fields are the bins ever used: about 115 per decade of durations.
 -- ARGV[1] how long the 10 s bucket lives after this write (ms)
 -- ARGV[2] how long the 1 min bucket lives after this write (ms)
--- ARGV[3] the jobs' priority (a decimal integer)
+-- ARGV[3] the jobs' priority (a decimal integer), or 'other'
 -- ARGV[4 ...] pairs: bin (a DDSketch key, or 'z' for 0 ms), count
 --
 -- Bounded work: at most MAX_PAIRS pairs per call (the caller sends more in
@@ -20,14 +20,16 @@
 -- Returns the number of pairs added.
 
 local MAX_PAIRS = 256
-local MAX_PRIORITIES = 32
+local MAX_PRIORITIES = 32 -- (engine/sketch.py says the same)
 local pairs_n = (#ARGV - 3) / 2
 if pairs_n > MAX_PAIRS or pairs_n ~= math.floor(pairs_n) then
   return redis.error_reply('ERR latency: at most ' .. MAX_PAIRS .. ' (bin, count) pairs per call')
 end
 local total = nil
 if KEYS[5] and pairs_n > 0 then
-  if redis.call('SISMEMBER', KEYS[5], ARGV[3]) == 1 then
+  if ARGV[3] == 'other' then
+    total = KEYS[4] -- the worker's own cap already folded this priority
+  elseif redis.call('SISMEMBER', KEYS[5], ARGV[3]) == 1 then
     total = KEYS[3]
   elseif redis.call('SCARD', KEYS[5]) < MAX_PRIORITIES then
     redis.call('SADD', KEYS[5], ARGV[3])
