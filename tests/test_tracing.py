@@ -288,6 +288,7 @@ async def test_a_malformed_trace_context_in_redis_is_ignored(
         f"00-{'0' * 32}-{PARENT_ID}-01",  # all-zero trace id
         f"00-{TRACE_ID}-{'0' * 16}-01",  # all-zero parent id
         f"00-{TRACE_ID}-{PARENT_ID}-01-extra",  # version 00 has four fields
+        f"00-{TRACE_ID}-{PARENT_ID}-01\n",  # a line break (it would reach log lines)
         f"01-{TRACE_ID}-{PARENT_ID}-01-" + "x" * MAX_TRACE_CONTEXT_LENGTH,  # too long
         42,
     ],
@@ -458,3 +459,36 @@ def test_each_api_process_traces_when_the_environment_says_so(redis_url: str) ->
     assert (server["context"]["trace_id"], server["parent_id"]) == (f"0x{TRACE_ID}", f"0x{PARENT_ID}")
     assert server["attributes"]["sluice.correlation_id"] == "req-serve"
     assert server["resource"]["attributes"]["service.name"] == "sluice-api"
+
+
+def test_a_tracer_that_fails_never_fails_the_work(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tracer's own errors are logged, never raised: a submission, a request and a provider
+    call (already paid for when the span is told) go on; the call's own errors still come out."""
+
+    class Broken:
+        def enqueue(self, *args: object, **kwargs: object) -> object:
+            raise RuntimeError("tracer down")
+
+        def tag_current_span(self, correlation_id: str) -> None:
+            raise RuntimeError("tracer down")
+
+        @contextlib.contextmanager
+        def llm_call(self, *args: object, **kwargs: object) -> Iterator[object]:
+            class Call:
+                def record(self, result: object) -> None:
+                    raise RuntimeError("tracer down")
+
+            yield Call()
+            raise RuntimeError("tracer down on close")
+
+    monkeypatch.setattr(tracing, "_tracer", Broken)
+    spec = JobSpec("generic", {})
+    assert tracing.enqueue_scope("q", spec) is None
+    tracing.tag_request("req-1")
+    with tracing.llm_call("openai", "gpt-4o-mini") as call:
+        call.record({"usage": {}})
+    with pytest.raises(ValueError, match="the call's own"), tracing.llm_call("openai", "m"):
+        raise ValueError("the call's own")
+    assert sum("the tracer failed" in r.getMessage() for r in caplog.records) >= 4

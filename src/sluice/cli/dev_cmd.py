@@ -36,7 +36,13 @@ from sluice.cli.output import stderr, stdout
 from sluice.cli.serve_cmd import STOP_GRACE_SECONDS
 from sluice.cli.server import command_label, redis_url
 from sluice.engine.connection import redact
-from sluice.settings import ENV_DATABASE_URL, ENV_REDIS_URL, ENV_WORKER_METRICS_DIR, Settings
+from sluice.settings import (
+    ENV_DATABASE_URL,
+    ENV_METRICS_PORT,
+    ENV_REDIS_URL,
+    ENV_WORKER_METRICS_DIR,
+    Settings,
+)
 
 WORKER_TARGET = "sluice.service.handlers:worker"
 #: prometheus-client's multiprocess directory (service/multiproc.py).
@@ -71,6 +77,7 @@ def _workers(
     env = dict(os.environ)
     env[ENV_REDIS_URL] = url
     env[ENV_WORKER_METRICS_DIR] = metrics_dir  # their series in the API's GET /metrics
+    env.pop(ENV_METRICS_PORT, None)  # (a port of their own would take the series from there)
     env[ENV_DATABASE_URL] = database  # llm-inference's semantic cache lives in the store
     argv = [sys.executable, "-m", "sluice", "worker", WORKER_TARGET, "--processes", str(processes)]
     if queue != "jobs":

@@ -287,7 +287,8 @@ class QueueAdmin:
     async def refusals(self) -> dict[str, int]:
         """Dispatch calls each gate refused since the queue began (one per gate per call,
         however many jobs it turned away): paused, throttled, concurrency, rate,
-        token_rate (the token-rate window), budget (a budget rejected or parked a job)."""
+        token_rate (the token-rate window was full, or a job's estimate exceeded it), budget (a
+        budget rejected, parked or held back a job)."""
         raw = await self.redis.hmget(self.keys.stats, [f"refused:{gate}" for gate in GATES])
         return {gate: int(v or 0) for gate, v in zip(GATES, raw, strict=True)}
 

@@ -32,7 +32,7 @@ _CORRELATION_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 #: A W3C ``traceparent``: version-traceid-parentid-flags in lowercase hex; a later version may
 #: append fields after a dash. Longer than this is not a trace context.
 MAX_TRACE_CONTEXT_LENGTH = 256
-_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-[\x21-\x7e]*)?$")
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-[\x21-\x7e]*)?")
 
 
 def valid_trace_context(value: object) -> str | None:
@@ -44,7 +44,7 @@ def valid_trace_context(value: object) -> str | None:
     """
     if not isinstance(value, str) or len(value) > MAX_TRACE_CONTEXT_LENGTH:
         return None
-    found = _TRACEPARENT.match(value)
+    found = _TRACEPARENT.fullmatch(value)
     if found is None:
         return None
     version, trace_id, parent_id, extra = found.groups()

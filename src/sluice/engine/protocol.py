@@ -87,7 +87,7 @@ class WorkerProtocol:
         ``retry_in_ms`` is how long a b"f" retry waits (from the script's now), and
         tokens_used -1 when not reported (see lua/includes/finish.lua). Returns the per-outcome
         codes, the next due time (ms on Redis's clock, or -1) and the leased jobs as
-        flat 11-value groups (see lua/includes/dispatch.lua). See :meth:`step_command`
+        flat groups of LEASED_FIELDS values (see lua/includes/dispatch.lua). See :meth:`step_command`
         for ``request_id``.
         """
         keys, args = self.step_command(

@@ -18,6 +18,7 @@ span on the worker is its child, so retries are siblings, and a provider call
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from sluice.tracing.otel import OtelTracer
 
 _FEATURE = "tracing (SLUICE_TRACING, OTEL_*)"
+
+log = logging.getLogger("sluice.tracing")
 
 
 def configure(settings: Settings) -> bool:
@@ -117,7 +120,11 @@ def enqueue_scope(
     tracer = _tracer()
     if tracer is None:
         return None
-    return tracer.enqueue(queue, [spec], tenant=tenant, job_uuid=job_uuid)
+    try:
+        return tracer.enqueue(queue, [spec], tenant=tenant, job_uuid=job_uuid)
+    except Exception:  # a tracer's failure never refuses a job
+        log.warning("the tracer failed to open an enqueue span", exc_info=True)
+        return None
 
 
 def tag_request(correlation_id: str) -> None:
@@ -125,7 +132,10 @@ def tag_request(correlation_id: str) -> None:
     request's server span, so that every span of a job's trace carries it."""
     tracer = _tracer()
     if tracer is not None:
-        tracer.tag_current_span(correlation_id)
+        try:
+            tracer.tag_current_span(correlation_id)
+        except Exception:
+            log.warning("the tracer failed to tag a request's span", exc_info=True)
 
 
 class LLMCall:
@@ -138,13 +148,46 @@ class LLMCall:
 _UNTRACED = LLMCall()
 
 
+class _Guarded(LLMCall):
+    """A tracer's call record whose failures are logged: the provider has answered (and may
+    have been paid) by the time it is told, so nothing here may fail the attempt."""
+
+    def __init__(self, call: LLMCall) -> None:
+        self._call = call
+
+    def record(self, result: Mapping[str, Any]) -> None:
+        try:
+            self._call.record(result)
+        except Exception:
+            log.warning("the tracer failed to record a provider call", exc_info=True)
+
+
 @contextlib.contextmanager
 def llm_call(provider: str, model: str, *, max_tokens: int | None = None) -> Iterator[LLMCall]:
     """A ``chat <model>`` client span around one provider call (or cache lookup), a child of
-    the running attempt's span."""
+    the running attempt's span. The tracer's own failures are logged, never raised: the
+    call's errors are the only ones that come out."""
     tracer = _tracer()
     if tracer is None:
         yield _UNTRACED
         return
-    with tracer.llm_call(provider, model, max_tokens=max_tokens) as call:
-        yield call
+    try:
+        span = tracer.llm_call(provider, model, max_tokens=max_tokens)
+        call = span.__enter__()
+    except Exception:
+        log.warning("the tracer failed to open a provider call's span", exc_info=True)
+        yield _UNTRACED
+        return
+    try:
+        yield _Guarded(call)
+    except BaseException as exc:
+        _close(span, exc)
+        raise
+    _close(span, None)
+
+
+def _close(span: contextlib.AbstractContextManager[Any], exc: BaseException | None) -> None:
+    try:
+        span.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+    except Exception:
+        log.warning("the tracer failed to close a provider call's span", exc_info=True)
