@@ -446,7 +446,11 @@ class Control:
 
     @property
     def tau_us(self) -> int:
-        return int(self.tolerance if self.tolerance is not None else PACE_TOLERANCE_MS) * 1000 if self.pace else 0
+        return (
+            int(self.tolerance if self.tolerance is not None else PACE_TOLERANCE_MS) * 1000
+            if self.pace
+            else 0
+        )
 
     def hash(self) -> dict[str, str]:
         h: dict[str, str] = {}

@@ -63,7 +63,9 @@ def _positive_int(what: str, value: object) -> int:
 
 def _pacing_ms(what: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PACING_MS:
-        raise ConfigurationError(f"{what} must be an integer number of ms from 0 to {MAX_PACING_MS}, got {value!r}")
+        raise ConfigurationError(
+            f"{what} must be an integer number of ms from 0 to {MAX_PACING_MS}, got {value!r}"
+        )
     return value
 
 
@@ -220,7 +222,9 @@ class FlowControl:
             starts_in_window=int(starts) if rate_ms else 0,
             token_limit=tpm.limit if tpm else None,
             # the nominal window: the budget's counts the headroom too
-            token_per_seconds=(int(c["tpm_ms"]) / 1000 if "tpm_ms" in c else tpm.window_seconds) if tpm else None,
+            token_per_seconds=(int(c["tpm_ms"]) / 1000 if "tpm_ms" in c else tpm.window_seconds)
+            if tpm
+            else None,
             tokens_in_window=tpm.used if tpm else 0,
             pace_tolerance_ms=None if tolerance == "off" else int(tolerance),
             headroom_ms=headroom,
