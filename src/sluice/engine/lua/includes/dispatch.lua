@@ -270,8 +270,9 @@ local function admit_job(K, G, jk, id, f, score, now, C)
     local wait = 0
     if tokens > 0 then wait = pace_wait(G, G.tat_tok) end
     if tpm.used + tokens > tpm.limit then
-      if tpm.behind then wait = math.max(wait, now) -- 'used' still counts charges that left
-      else wait = math.max(wait, roll_free_at(K, tpm, tokens)) end
+      local at = now -- while 'used' still counts charges that left
+      if not tpm.behind then at = roll_free_at(K, tpm, tokens) end
+      if at < 0 then wait = -1 else wait = math.max(wait, at) end
     end
     if wait ~= 0 then
       refused(G, 'token_rate')
