@@ -34,7 +34,13 @@ docs/architecture.md (Flow control, The token ledger):
   step; a job whose budget (or one above it) cannot admit its estimate is
   rejected or parked and the step goes on. A lease counts an attempt, bumps
   the token, reserves the estimate on every level under ``<id>:<token>`` and
-  records a start in the request-rate window. Each gate that refused
+  records a start in the request-rate window. The rate windows count over
+  their length plus the headroom; each rate limit's pacer (unless off) lets
+  a start go only when its theoretical arrival time (us) less the tolerance
+  is not after now, and moves that time on by the start's cost times
+  (window + headroom) / limit (a request costs 1, a token-rate start its
+  estimate; 0 tokens are not paced), rounded up to the us; its refusal is
+  its limit's, its wait the first ms at which it is due. Each gate that refused
   something in a step that asked for jobs adds 1 to the stats hash's
   ``refused:<gate>``, once per step (a closed queue-wide gate refuses
   nothing while nothing waits).

@@ -4,7 +4,7 @@ the flow controls and the token ledger.
 A hypothesis state machine applies one random sequence of operations (add,
 advance or jump the clock, step with outcomes, extend, reap, cancel, redrive,
 purge; set and clear the global concurrency, the request- and token-rate
-limits, pause, resume, throttle; create budgets with and without parents and
+limits, set the pacing, pause, resume, throttle; create budgets with and without parents and
 windows, top them up, set their limits, read them; reserve, commit and
 refund directly) to a real Redis, through Queue, and to tests/model.py, and
 after every operation compares everything: each job's hash (state, attempt,
@@ -792,11 +792,22 @@ class QueueMachine(RuleBasedStateMachine):
         tokens=st.sampled_from([None, None, 8, 15]),
         starts=st.sampled_from([None, None, 1, 2]),
         concurrency=st.sampled_from([None, None, None, 2]),
+        pacing=st.sampled_from([None, None, (None, 0), (100, 30)]),
     )
-    def first_gates(self, tokens: int | None, starts: int | None, concurrency: int | None) -> None:
+    def first_gates(
+        self,
+        tokens: int | None,
+        starts: int | None,
+        concurrency: int | None,
+        pacing: tuple[int | None, int] | None,
+    ) -> None:
         """Half the examples start with a token-rate limit, half with a request-rate limit
-        (the window: 120 ms), a quarter with a global concurrency."""
+        (the window: 120 ms), a quarter with a global concurrency; half with the default
+        pacing, a quarter without a pacer, a quarter with a wide tolerance and headroom."""
         m, q = self.model, self.queue
+        if pacing is not None:
+            m.set_pacing(*pacing)
+            self.run(q.set_pacing(tolerance_ms=pacing[0], headroom_ms=pacing[1]))
         if tokens is not None:
             m.set_token_rate_limit(tokens, 1000)
             self.run(q.set_token_rate_limit(tokens, 1.0))
