@@ -137,6 +137,8 @@ COUNTERS = (
 TOKEN_RATE = "#tpm"  # noqa: S105 - a key name, not a secret
 #: The pacer's tolerance when none is set (ms).
 PACE_TOLERANCE_MS = 20
+#: The headroom when none is set (ms).
+PACE_HEADROOM_MS = 30
 #: Budgets may be nested at most this deep (a hierarchy of 8 levels).
 MAX_LEVELS = 8
 INF = math.inf
@@ -444,7 +446,7 @@ class Control:
 
     @property
     def headroom(self) -> int:
-        return self.headroom_ms or 0
+        return PACE_HEADROOM_MS if self.headroom_ms is None else self.headroom_ms
 
     @property
     def pace(self) -> bool:

@@ -165,7 +165,7 @@ async def test_usage_beyond_the_estimate_is_charged_to_the_budget_under_a_full_t
 ) -> None:
     # Given a tenant budget of 1000 and a token-rate window of 1000 nearly full (900), filled
     # at once (the window alone: no pacer)
-    await queue.set_pacing(tolerance_ms=None)
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
     await queue.set_token_rate_limit(1000, per=60)
     await queue.budgets.create("tenant", 1000)
     a = await queue.add("llm", tokens=100, budget="tenant")

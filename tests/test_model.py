@@ -1059,7 +1059,7 @@ async def test_gates_and_ledger_reference_sequence(q: Queue, clock: Clock) -> No
     m = Model(ev_result_max=q.event_result_max_bytes, idem_prefix=q.keys.idem_prefix)
     b = q.budgets
     m.set_pacing(None, 0)
-    await q.set_pacing(tolerance_ms=None)
+    await q.set_pacing(tolerance_ms=None, headroom_ms=0)
 
     async def check() -> None:
         await assert_same(q, m, take_wake=True)

@@ -130,7 +130,7 @@ def flow_set(
     ] = None,
     headroom_ms: Annotated[
         int | None,
-        typer.Option(min=0, max=MAX_PACING_MS, help="Ms added to every rate window (default 0)."),
+        typer.Option(min=0, max=MAX_PACING_MS, help="Ms added to every rate window (default 30)."),
     ] = None,
     queue: QueueOpt = DEFAULT_QUEUE,
     prefix: PrefixOpt = DEFAULT_PREFIX,

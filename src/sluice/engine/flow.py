@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 #: The pacer's tolerance unless set (ms; the dispatch script has the same default).
 DEFAULT_TOLERANCE_MS = 20
+#: The headroom unless set (ms; the scripts have the same default).
+DEFAULT_HEADROOM_MS = 30
 #: The largest tolerance or headroom accepted (ms).
 MAX_PACING_MS = 60_000
 
@@ -50,7 +52,7 @@ class FlowState:
     #: The pacer's tolerance (ms; None: no pacer, starts come as the logs allow)
     pace_tolerance_ms: int | None = DEFAULT_TOLERANCE_MS
     #: Added to every rate window the logs count (ms)
-    headroom_ms: int = 0
+    headroom_ms: int = DEFAULT_HEADROOM_MS
 
 
 def _positive_int(what: str, value: object) -> int:
@@ -146,7 +148,7 @@ class FlowControl:
 
     @writes
     async def set_pacing(
-        self, *, tolerance_ms: int | None = DEFAULT_TOLERANCE_MS, headroom_ms: int = 0
+        self, *, tolerance_ms: int | None = DEFAULT_TOLERANCE_MS, headroom_ms: int = DEFAULT_HEADROOM_MS
     ) -> None:
         """How the request-rate and token-rate limits space the starts they admit.
 
@@ -157,7 +159,9 @@ class FlowControl:
         limits' logs alone admit, in bursts. ``headroom_ms`` is added to every
         window the logs count, so starts that reach the provider up to that
         much closer together than they left still fit its window. Defaults:
-        the pacer on with 20 ms of tolerance, no headroom.
+        the pacer on with 20 ms of tolerance, 30 ms of headroom (what two
+        worker processes on one machine needed at 1-second windows; it costs
+        headroom / window of the limit).
         """
         tolerance = "off" if tolerance_ms is None else _pacing_ms("tolerance_ms", tolerance_ms)
         headroom = _pacing_ms("headroom_ms", headroom_ms)
@@ -202,7 +206,7 @@ class FlowControl:
         raw: dict[bytes, bytes] = await self.redis.hgetall(k.control)  # type: ignore[assignment]
         c = {key.decode(): value.decode() for key, value in raw.items()}
         rate_ms = int(c["rate_ms"]) if "rate_ms" in c else None
-        headroom = int(c.get("headroom_ms", 0))
+        headroom = int(c.get("headroom_ms", DEFAULT_HEADROOM_MS))
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zcard(k.active)
             pipe.zcount(k.starts, f"({t - rate_ms - headroom}" if rate_ms else "-inf", "+inf")

@@ -26,7 +26,7 @@
 --   concurrency, rate, token_rate, budget).
 --   The request-rate and token-rate limits each have two parts: the exact log
 --   (the starts zset; the '#tpm' rolling budget), counted over W + h (the
---   headroom, control 'headroom_ms'), is the hard cap; a pacer (a GCRA with
+--   headroom, control 'headroom_ms', 30 unless set), is the hard cap; a pacer (a GCRA with
 --   tolerance tau, control 'tolerance_ms', 'off' for none) spaces the starts
 --   (W + h) / N apart, per request or per token. A job starts only when the
 --   pacer's theoretical arrival time (control 'tat_req', 'tat_tok': us) is at
@@ -157,13 +157,16 @@ end
 -- The pacer's tolerance when none is set (ms): a worker that comes a little
 -- late takes the starts it owes at once instead of losing them.
 local PACE_TOLERANCE_MS = 20
+-- The headroom when none is set (ms): what two worker processes on one
+-- machine needed (docs/architecture.md, "The pacer").
+local PACE_HEADROOM_MS = 30
 
 local function load_gates(K, now)
   local f = redis.call('HMGET', K.control, 'paused', 'throttled_until', 'concurrency', 'rate_max',
                        'rate_ms', 'tpm', 'tolerance_ms', 'headroom_ms', 'tat_req', 'tat_tok')
   local G = {paused = f[1] == '1', until_ms = tonumber(f[2]) or 0, conc = tonumber(f[3]),
              rate_max = tonumber(f[4]), rate_ms = tonumber(f[5]) or 0, tpm = nil, cache = {},
-             refused = {}, headroom = tonumber(f[8]) or 0, paced = false,
+             refused = {}, headroom = tonumber(f[8]) or PACE_HEADROOM_MS, paced = false,
              -- The pacers' theoretical arrival times, in microseconds of the clock.
              now_us = now * 1000, tat_req = tonumber(f[9]) or 0, tat_tok = tonumber(f[10]) or 0}
   G.pace = f[7] ~= 'off'
