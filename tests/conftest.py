@@ -59,6 +59,7 @@ CLUSTER_MODULES = frozenset(
         "test_queue",
         "test_worker",
         "test_flow",
+        "test_pacing",
         "test_budgets",
         "test_ledger_regressions",
         "test_model",

@@ -34,7 +34,13 @@ docs/architecture.md (Flow control, The token ledger):
   step; a job whose budget (or one above it) cannot admit its estimate is
   rejected or parked and the step goes on. A lease counts an attempt, bumps
   the token, reserves the estimate on every level under ``<id>:<token>`` and
-  records a start in the request-rate window. Each gate that refused
+  records a start in the request-rate window. The rate windows count over
+  their length plus the headroom; each rate limit's pacer (unless off) lets
+  a start go only when its theoretical arrival time (us) less the tolerance
+  is not after now, and moves that time on by the start's cost times
+  (window + headroom) / limit (a request costs 1, a token-rate start its
+  estimate; 0 tokens are not paced), rounded up to the us; its refusal is
+  its limit's, its wait the first ms at which it is due. Each gate that refused
   something in a step that asked for jobs adds 1 to the stats hash's
   ``refused:<gate>``, once per step (a closed queue-wide gate refuses
   nothing while nothing waits).
@@ -129,6 +135,10 @@ COUNTERS = (
 
 #: The budget behind the queue's token-rate limit (docs/architecture.md, "Token rate is a rolling budget").
 TOKEN_RATE = "#tpm"  # noqa: S105 - a key name, not a secret
+#: The pacer's tolerance when none is set (ms).
+PACE_TOLERANCE_MS = 20
+#: The headroom when none is set (ms).
+PACE_HEADROOM_MS = 30
 #: Budgets may be nested at most this deep (a hierarchy of 8 levels).
 MAX_LEVELS = 8
 INF = math.inf
@@ -149,6 +159,19 @@ def calendar_window(win: str, now: int) -> tuple[int, int]:
         return (start - _EPOCH).days, (start + timedelta(days=1) - _EPOCH) // _MS
     nxt = datetime(t.year + t.month // 12, t.month % 12 + 1, 1, tzinfo=UTC)
     return t.year * 12 + t.month - 1, (nxt - _EPOCH) // _MS
+
+
+def pace_wait(c: Control, tat: int | None, now: int) -> int:
+    """The pacer: 0 if a start is due (tat - tau <= now), else the first ms at which it is."""
+    if not c.pace or (tat or 0) - c.tau_us <= now * 1000:
+        return 0
+    return math.ceil(((tat or 0) - c.tau_us) / 1000)
+
+
+def pace_next(tat: int | None, now: int, cost: int, win_ms: int, limit: int) -> int:
+    """The pacer's next arrival time after a start of ``cost`` units (win_ms / limit ms each),
+    in whole us rounded up, computed in doubles in the script's order."""
+    return max(tat or 0, now * 1000) + math.ceil(float(cost) * float(win_ms) * 1000.0 / float(limit))
 
 
 def lua_number(text: str) -> int:
@@ -415,6 +438,27 @@ class Control:
     rate_max: int | None = None
     rate_ms: int | None = None
     tpm: bool = False
+    tpm_ms: int | None = None  # the token-rate limit's nominal window (its budget's is this + headroom)
+    tolerance: str | None = None  # the pacer's tolerance as set (ms, or 'off'); None: the default
+    headroom_ms: int | None = None
+    tat_req: int | None = None  # the pacers' theoretical arrival times (us)
+    tat_tok: int | None = None
+
+    @property
+    def headroom(self) -> int:
+        return PACE_HEADROOM_MS if self.headroom_ms is None else self.headroom_ms
+
+    @property
+    def pace(self) -> bool:
+        return self.tolerance != "off"
+
+    @property
+    def tau_us(self) -> int:
+        return (
+            int(self.tolerance if self.tolerance is not None else PACE_TOLERANCE_MS) * 1000
+            if self.pace
+            else 0
+        )
 
     def hash(self) -> dict[str, str]:
         h: dict[str, str] = {}
@@ -427,6 +471,11 @@ class Control:
             ("concurrency", self.concurrency),
             ("rate_max", self.rate_max),
             ("rate_ms", self.rate_ms),
+            ("tpm_ms", self.tpm_ms),
+            ("tolerance_ms", self.tolerance),
+            ("headroom_ms", self.headroom_ms),
+            ("tat_req", self.tat_req),
+            ("tat_tok", self.tat_tok),
         ):
             if value is not None:
                 h[name] = str(value)
@@ -459,6 +508,7 @@ class Model:
     ops: dict[str, dict[str, str]] = field(default_factory=dict)  # budget operation id -> its record
     _retry_cache: dict[str, float] = field(default_factory=dict)  # budget -> retry time, per step
     _refused: set[str] = field(default_factory=set)  # gates that refused during this step
+    paced: bool = False  # a pacer refused during the last step (for the tests' statistics)
     stepped: bool = False  # a dispatch call made the queue's epoch
 
     # ---- derived views ---------------------------------------------------------------
@@ -577,6 +627,7 @@ class Model:
             if job.state == DELAYED and job.run_at <= now:
                 job.state = WAITING
         self._refused = set()
+        self.paced = False
         leased, wait = self._take(now, want, lease_ms, worker)
         if want > 0:  # each gate that refused counts once per call, however many jobs it refused
             for gate in self._refused:
@@ -594,8 +645,8 @@ class Model:
 
     def _load_gates(self, now: int) -> None:
         c = self.control
-        if c.rate_max is not None:  # the request-rate window keeps the starts of the last rate_ms
-            window = c.rate_ms or 0
+        if c.rate_max is not None:  # the request-rate window keeps the starts of the last rate_ms + headroom
+            window = (c.rate_ms or 0) + c.headroom
             self.starts = {m: at for m, at in self.starts.items() if at > now - window}
         if c.tpm:
             self._consult(TOKEN_RATE, now)
@@ -612,9 +663,14 @@ class Model:
         if c.concurrency is not None and len(self.zset(ACTIVE)) >= c.concurrency:
             self._refused.add("concurrency")
             return -1
-        if c.rate_max is not None and len(self.starts) >= c.rate_max:
-            self._refused.add("rate")
-            return min(self.starts.values()) + (c.rate_ms or 0)
+        if c.rate_max is not None:
+            wait = pace_wait(c, c.tat_req, now)
+            self.paced = self.paced or wait != 0
+            if len(self.starts) >= c.rate_max:
+                wait = max(wait, min(self.starts.values()) + (c.rate_ms or 0) + c.headroom)
+            if wait != 0:
+                self._refused.add("rate")
+                return wait
         return 0
 
     def _take(self, now: int, want: int, lease_ms: int, worker: str) -> tuple[list[LeasedJob], int]:
@@ -651,11 +707,15 @@ class Model:
                     "split the job or raise the limit",
                 )
                 return None
+            wait = pace_wait(self.control, self.control.tat_tok, now) if tokens > 0 else 0
+            self.paced = self.paced or wait != 0
             if tpm.used + tokens > tpm.limit:
-                self._refused.add("token_rate")
                 free_at = self._free_at(tpm, tokens)
                 assert free_at is not None, "a rolling window holds what it counts"
-                return free_at
+                wait = max(wait, free_at)
+            if wait != 0:
+                self._refused.add("token_rate")
+                return wait
         levels: list[ModelBudget] = []
         if job.spec.budget is not None:
             levels, missing = self._chain(job.spec.budget, now)
@@ -711,8 +771,14 @@ class Model:
         if levels:
             self._charge(attempt_id, job.id, levels, job.spec.tokens, now)
             job.rid = attempt_id
-        if self.control.rate_max is not None:
+        c = self.control
+        if c.rate_max is not None:
             self.starts[attempt_id] = now
+            if c.pace:
+                c.tat_req = pace_next(c.tat_req, now, 1, (c.rate_ms or 0) + c.headroom, c.rate_max)
+        if c.tpm and c.pace:
+            tpm = self.budgets[TOKEN_RATE]
+            c.tat_tok = pace_next(c.tat_tok, now, job.spec.tokens, tpm.win_ms, tpm.admits)
         self._emit("active", job.id, "worker", worker, "attempt", job.attempt, "token", job.token)
         s = job.spec
         return LeasedJob(
@@ -978,21 +1044,36 @@ class Model:
     def set_rate_limit(self, max_starts: int | None, per_ms: int) -> None:
         self.control.rate_max = max_starts
         self.control.rate_ms = None if max_starts is None else per_ms
+        self.control.tat_req = None  # a new limit starts its pacer afresh
         self.wake = True
 
     def set_token_rate_limit(self, tokens: int | None, per_ms: int) -> None:
         """The token-rate budget keeps what it counts when its limit or window changes,
         and while the limit is off."""
         self.wake = True
+        c = self.control
+        c.tat_tok = None
         if tokens is None:
-            self.control.tpm = False
+            c.tpm, c.tpm_ms = False, None
             return
         b = self.budgets.get(TOKEN_RATE)
         if b is None:
-            self.budgets[TOKEN_RATE] = ModelBudget(TOKEN_RATE, tokens, "roll", per_ms)
+            self.budgets[TOKEN_RATE] = ModelBudget(TOKEN_RATE, tokens, "roll", per_ms + c.headroom)
         else:
-            b.limit, b.win, b.win_ms = tokens, "roll", per_ms
-        self.control.tpm = True
+            b.limit, b.win, b.win_ms = tokens, "roll", per_ms + c.headroom
+        c.tpm, c.tpm_ms = True, per_ms
+
+    def set_pacing(self, tolerance_ms: int | None, headroom_ms: int) -> None:
+        """Queue.set_pacing: both pacers start afresh; the token-rate window counts over its
+        nominal length plus the new headroom."""
+        c = self.control
+        c.tolerance = "off" if tolerance_ms is None else str(tolerance_ms)
+        c.headroom_ms = headroom_ms
+        c.tat_req = c.tat_tok = None
+        if c.tpm:
+            assert c.tpm_ms is not None
+            self.budgets[TOKEN_RATE].win_ms = c.tpm_ms + headroom_ms
+        self.wake = True
 
     def pause(self) -> None:
         self.control.paused = True
@@ -1021,10 +1102,14 @@ class Model:
             "active": len(self.zset(ACTIVE)),
             "rate_max": c.rate_max,
             "rate_per_seconds": c.rate_ms / 1000 if c.rate_ms else None,
-            "starts_in_window": sum(at > now - c.rate_ms for at in self.starts.values()) if c.rate_ms else 0,
+            "starts_in_window": (
+                sum(at > now - c.rate_ms - c.headroom for at in self.starts.values()) if c.rate_ms else 0
+            ),
             "token_limit": tpm["limit"] if tpm else None,
-            "token_per_seconds": tpm["window_seconds"] if tpm else None,
+            "token_per_seconds": (c.tpm_ms or 0) / 1000 if tpm else None,
             "tokens_in_window": tpm["used"] if tpm else 0,
+            "pace_tolerance_ms": None if not c.pace else c.tau_us // 1000,
+            "headroom_ms": c.headroom,
         }
 
     # ---- the ledger ----------------------------------------------------------------------

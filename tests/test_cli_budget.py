@@ -60,7 +60,15 @@ async def test_budget_and_flow_commands_change_the_queue(redis: Redis, redis_url
     assert (f.paused, f.throttled_until_ms, f.rate_max, f.concurrency) == (False, None, None, 4)
     assert "request rate        none" in out
     nothing = await invoke("flow", "set", *where, code=2)
-    assert "give --concurrency, --rate or --tokens" in nothing.output
+    assert "give --concurrency, --rate, --tokens, --tolerance-ms or --headroom-ms" in nothing.output
+    # the pacing: one setting changes, the other stays
+    out = (await invoke("flow", "set", "--headroom-ms", "30", *where)).stdout
+    assert "20 ms tolerance, 30 ms headroom" in out
+    await invoke("flow", "set", "--tolerance-ms", "off", *where)
+    f = await q.flow()
+    assert (f.pace_tolerance_ms, f.headroom_ms) == (None, 30)
+    bad = await invoke("flow", "set", "--tolerance-ms", "soon", *where, code=2)
+    assert 'use whole ms from 0 to 60000, or "off"' in bad.output
 
 
 async def test_budget_list_fits_80_columns(redis: Redis, redis_url: str, prefix: str) -> None:

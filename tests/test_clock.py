@@ -89,7 +89,8 @@ async def test_no_live_job_is_reaped_when_clocks_are_30s_apart(
 async def test_a_rate_limit_is_exact_when_clocks_are_30s_apart(
     procs: WorkerProcs, redis: Redis, queue: Queue
 ) -> None:
-    # Given at most 4 starts per second, and two workers 60 s apart
+    # Given at most 4 starts per second (the log alone: no pacer), and two workers 60 s apart
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
     await queue.set_rate_limit(4, per=1)
     for wid, skew in SKEWS_MS.items():
         start_skewed(procs, wid, skew, lease=5.0, concurrency=2)

@@ -46,7 +46,9 @@ T = 1_800_000_000_000
 
 # ---- the token-rate window ------------------------------------------------------------------------------
 async def test_token_rate_limit_admits_what_fits_and_reported_usage_frees_room(queue: Queue) -> None:
-    # Given at most 1000 tokens a minute, and jobs estimated at 400 tokens
+    # Given at most 1000 tokens a minute, and jobs estimated at 400 tokens (the window
+    # alone: no pacer)
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
     await queue.set_token_rate_limit(1000, per=60)
     j1, j2, j3, j4 = await queue.add_bulk(JobSpec("llm", tokens=400) for _ in range(4))
 
@@ -91,6 +93,7 @@ async def test_a_job_larger_than_the_token_rate_limit_is_rejected_with_a_reason(
 async def test_the_token_rate_window_blocks_in_priority_order(queue: Queue) -> None:
     # A job that does not fit the window holds back the jobs behind it, even smaller
     # ones: the window is queue-wide, and nothing may overtake the head of the line
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
     await queue.set_token_rate_limit(1000, per=60)
     first = await queue.add("llm", tokens=900)
     big = await queue.add("llm", tokens=200)
@@ -103,6 +106,7 @@ async def test_the_token_rate_window_blocks_in_priority_order(queue: Queue) -> N
 
 # ---- the request-rate window and the global ceiling, step by step --------------------------------------
 async def test_request_rate_window_in_steps(queue: Queue) -> None:
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)  # the log alone
     await queue.set_rate_limit(4, per=1)
     jobs = await queue.add_bulk(JobSpec("x") for _ in range(10))
     reply = await step(queue, T)
@@ -281,6 +285,7 @@ async def test_flow_reports_the_gates_and_their_windows(queue: Queue) -> None:
     assert (empty.active, empty.starts_in_window, empty.tokens_in_window) == (0, 0, 0)
 
     await queue.set_global_concurrency(3)
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
     await queue.set_rate_limit(4, per=2)
     await queue.set_token_rate_limit(1000, per=60)
     await queue.add_bulk(JobSpec("llm", tokens=100) for _ in range(3))
@@ -396,7 +401,9 @@ async def test_global_concurrency_holds_across_worker_processes(
 async def test_request_rate_holds_across_worker_processes(
     procs: WorkerProcs, redis: Redis, prefix: str, queue: Queue
 ) -> None:
-    # Given at most 4 starts per second over the queue, and two idle worker processes
+    # Given at most 4 starts per second over the queue (the log alone: no pacer), and two
+    # idle worker processes
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
     await queue.set_rate_limit(4, per=1)
     for wid in ("A", "B"):
         start_flow_worker(procs, wid, concurrency=2)

@@ -112,10 +112,11 @@ async def test_limited_queue_gets_no_429_where_retrying_gets_many(
         assert r["e2e"]["samples"] == 30
     limited, retrying = results[LIMITED], results[NO_LIMITER]
     assert limited["rate_limited"] == 0 and limited["calls"] == 30
-    # The default pacing and headroom: 2 starts per 0.1025 s, 6,000 tokens per 1.025 s.
-    assert limited["queue_limits"]["max_starts"] == 2
-    assert limited["queue_limits"]["starts_window_s"] == pytest.approx(0.1025)
-    assert limited["queue_limits"]["tokens_window_s"] == pytest.approx(1.025)
+    # The provider's limits as they are, paced (20 ms of tolerance) with 30 ms of headroom.
+    assert limited["queue_limits"]["max_starts"] == 20
+    assert limited["queue_limits"]["starts_window_s"] == pytest.approx(1.0)
+    assert limited["queue_limits"]["tokens_window_s"] == pytest.approx(1.0)
+    assert (limited["queue_limits"]["headroom_s"], limited["queue_limits"]["tolerance_ms"]) == (0.03, 20)
     assert retrying["rate_limited"] > 0
     assert retrying["calls"] == 30 + retrying["rate_limited"] == 30 + retrying["wasted_calls"]
     assert retrying["max_attempt"] > 1

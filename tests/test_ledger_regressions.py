@@ -163,7 +163,9 @@ async def test_a_caller_whose_clock_is_behind_does_not_restart_a_day_window(queu
 async def test_usage_beyond_the_estimate_is_charged_to_the_budget_under_a_full_token_window(
     queue: Queue,
 ) -> None:
-    # Given a tenant budget of 1000 and a token-rate window of 1000 nearly full (900)
+    # Given a tenant budget of 1000 and a token-rate window of 1000 nearly full (900), filled
+    # at once (the window alone: no pacer)
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
     await queue.set_token_rate_limit(1000, per=60)
     await queue.budgets.create("tenant", 1000)
     a = await queue.add("llm", tokens=100, budget="tenant")

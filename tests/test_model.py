@@ -4,7 +4,7 @@ the flow controls and the token ledger.
 A hypothesis state machine applies one random sequence of operations (add,
 advance or jump the clock, step with outcomes, extend, reap, cancel, redrive,
 purge; set and clear the global concurrency, the request- and token-rate
-limits, pause, resume, throttle; create budgets with and without parents and
+limits, set the pacing, pause, resume, throttle; create budgets with and without parents and
 windows, top them up, set their limits, read them; reserve, commit and
 refund directly) to a real Redis, through Queue, and to tests/model.py, and
 after every operation compares everything: each job's hash (state, attempt,
@@ -490,7 +490,9 @@ class QueueMachine(RuleBasedStateMachine):
         if c.throttled_until is not None:
             times.append(c.throttled_until)
         if c.rate_ms and m.starts:
-            times.append(min(m.starts.values()) + c.rate_ms)
+            times.append(min(m.starts.values()) + c.rate_ms + c.headroom)
+        # when the pacers let the next start go
+        times += [math.ceil((tat - c.tau_us) / 1000) for tat in (c.tat_req, c.tat_tok) if tat is not None]
         times += [min(at for at, _ in b.log.values()) + b.win_ms for b in m.budgets.values() if b.log]
         return sorted({t - now for t in times if t >= now})
 
@@ -569,6 +571,8 @@ class QueueMachine(RuleBasedStateMachine):
         for (_, _, kind, _, _, usage), code in zip(outcomes, codes, strict=True):
             event(f"step: outcome {kind.decode()} -> {code}{'' if usage < 0 else ' with usage'}")
         event(f"step: leased {len(leased)} of {want}")
+        if self.model.paced:
+            event("step: a pacer refused")
         for ev in {e[0] for e in self.model.events[before:]} & {"rejected", "parked", "throttled"}:
             event(f"step: {ev}")
 
@@ -707,7 +711,7 @@ class QueueMachine(RuleBasedStateMachine):
     # ---- flow controls ----------------------------------------------------------------------------------
     @rule(
         data=st.data(),
-        gate=st.sampled_from(["concurrency", "rate", "token rate", "pause or resume", "throttle"]),
+        gate=st.sampled_from(["concurrency", "rate", "token rate", "pacing", "pause or resume", "throttle"]),
     )
     def flow(self, data: st.DataObject, gate: str) -> None:
         """Set or clear one of the queue's gates (through Queue's FlowControl methods)."""
@@ -727,6 +731,11 @@ class QueueMachine(RuleBasedStateMachine):
             per_ms = data.draw(st.sampled_from([1000, 2500]), label="per ms")
             m.set_token_rate_limit(tokens, per_ms)
             self.run(q.set_token_rate_limit(tokens, per_ms / 1000))
+        elif gate == "pacing":
+            tolerance = data.draw(st.sampled_from([None, 0, 20, 100]), label="tolerance ms")
+            headroom = data.draw(st.sampled_from([0, 0, 30]), label="headroom ms")
+            m.set_pacing(tolerance, headroom)
+            self.run(q.set_pacing(tolerance_ms=tolerance, headroom_ms=headroom))
         elif gate == "throttle":
             ms = data.draw(st.sampled_from([0, 0, 50, 200]), label="ms")
             m.throttle(self.clock.now, ms)
@@ -783,11 +792,22 @@ class QueueMachine(RuleBasedStateMachine):
         tokens=st.sampled_from([None, None, 8, 15]),
         starts=st.sampled_from([None, None, 1, 2]),
         concurrency=st.sampled_from([None, None, None, 2]),
+        pacing=st.sampled_from([None, None, (None, 0), (100, 30)]),
     )
-    def first_gates(self, tokens: int | None, starts: int | None, concurrency: int | None) -> None:
+    def first_gates(
+        self,
+        tokens: int | None,
+        starts: int | None,
+        concurrency: int | None,
+        pacing: tuple[int | None, int] | None,
+    ) -> None:
         """Half the examples start with a token-rate limit, half with a request-rate limit
-        (the window: 120 ms), a quarter with a global concurrency."""
+        (the window: 120 ms), a quarter with a global concurrency; half with the default
+        pacing, a quarter without a pacer, a quarter with a wide tolerance and headroom."""
         m, q = self.model, self.queue
+        if pacing is not None:
+            m.set_pacing(*pacing)
+            self.run(q.set_pacing(tolerance_ms=pacing[0], headroom_ms=pacing[1]))
         if tokens is not None:
             m.set_token_rate_limit(tokens, 1000)
             self.run(q.set_token_rate_limit(tokens, 1.0))
@@ -1035,9 +1055,11 @@ async def test_gates_and_ledger_reference_sequence(q: Queue, clock: Clock) -> No
     leaving parked jobs alone; refunds handing parked jobs back in the same call; a throttle
     that a shorter one does not shorten, closed until its last millisecond; the token-rate
     window blocking the line and taking overuse in full; the request-rate window; a
-    reservation settled after its calendar window turned."""
+    reservation settled after its calendar window turned. The logs alone: no pacer."""
     m = Model(ev_result_max=q.event_result_max_bytes, idem_prefix=q.keys.idem_prefix)
     b = q.budgets
+    m.set_pacing(None, 0)
+    await q.set_pacing(tolerance_ms=None, headroom_ms=0)
 
     async def check() -> None:
         await assert_same(q, m, take_wake=True)

@@ -14,6 +14,7 @@ from sluice.cli.output import fields_table, print_json, stdout, utc
 from sluice.cli.parsing import SluiceCommand
 from sluice.cli.runtime import with_queue
 from sluice.engine import FlowState, Queue
+from sluice.engine.flow import MAX_PACING_MS
 from sluice.engine.job import MAX_TOKENS
 from sluice.settings import DEFAULT_PREFIX, DEFAULT_QUEUE
 
@@ -36,6 +37,8 @@ def flow_table(f: FlowState, target: Target) -> RenderableType:
     table.add_row("request rate", f"{rate} ({f.starts_in_window} started in the window)")
     tokens = f"{f.token_limit:,} per {f.token_per_seconds:g} s" if f.token_limit else "none"
     table.add_row("token rate", f"{tokens} ({f.tokens_in_window:,} in the window)")
+    pace = "off (the windows alone)" if f.pace_tolerance_ms is None else f"{f.pace_tolerance_ms} ms tolerance"
+    table.add_row("pacing", f"{pace}, {f.headroom_ms} ms headroom")
     return table
 
 
@@ -97,6 +100,18 @@ def _per(value: str, hint: str, low_seconds: float, high_count: int) -> Limit:
     return n, seconds
 
 
+def _tolerance(value: str) -> int | None:
+    """'off' -> None (no pacer), else whole ms from 0 to MAX_PACING_MS."""
+    if value == "off":
+        return None
+    if not value.isdigit() or int(value) > MAX_PACING_MS:
+        raise typer.BadParameter(
+            f'use whole ms from 0 to {MAX_PACING_MS}, or "off" for no pacer; got {value!r}',
+            param_hint="--tolerance-ms",
+        )
+    return int(value)
+
+
 @flow_app.command("set", cls=SluiceCommand)
 def flow_set(
     as_json: JsonOpt = False,
@@ -106,6 +121,16 @@ def flow_set(
     rate: Annotated[str | None, typer.Option(help='Job starts per window: N/SECONDS, or "none".')] = None,
     tokens: Annotated[
         str | None, typer.Option(help='Estimated tokens per window: N/SECONDS (at least 1 s), or "none".')
+    ] = None,
+    tolerance_ms: Annotated[
+        str | None,
+        typer.Option(
+            help='The pacer\'s tolerance in ms (default 20), or "off": the windows alone, in bursts.'
+        ),
+    ] = None,
+    headroom_ms: Annotated[
+        int | None,
+        typer.Option(min=0, max=MAX_PACING_MS, help="Ms added to every rate window (default 30)."),
     ] = None,
     queue: QueueOpt = DEFAULT_QUEUE,
     prefix: PrefixOpt = DEFAULT_PREFIX,
@@ -122,8 +147,21 @@ def flow_set(
     if tokens is not None:
         window = _per(tokens, "--tokens", 1, MAX_TOKENS)
         changes.append(lambda q: q.set_token_rate_limit(*window) if window else q.set_token_rate_limit(None))
+    if tolerance_ms is not None or headroom_ms is not None:
+        tolerance = _tolerance(tolerance_ms) if tolerance_ms is not None else None
+
+        async def pacing(q: Queue) -> None:
+            now = await q.flow()
+            await q.set_pacing(
+                tolerance_ms=now.pace_tolerance_ms if tolerance_ms is None else tolerance,
+                headroom_ms=now.headroom_ms if headroom_ms is None else headroom_ms,
+            )
+
+        changes.append(pacing)
     if not changes:
-        raise typer.BadParameter("give --concurrency, --rate or --tokens (or several)")
+        raise typer.BadParameter(
+            "give --concurrency, --rate, --tokens, --tolerance-ms or --headroom-ms (or several)"
+        )
 
     async def change(q: Queue) -> None:
         for one in changes:

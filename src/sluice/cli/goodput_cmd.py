@@ -53,10 +53,16 @@ def goodput(
     ] = False,
     pace: Annotated[
         int, typer.Option(min=1, help="sluice-limited: the request limit in this many steps per window.")
-    ] = 10,
+    ] = 1,
     headroom_ms: Annotated[
-        float, typer.Option(min=0, help="sluice-limited: milliseconds added to the queue's windows.")
-    ] = 25.0,
+        int, typer.Option(min=0, max=60_000, help="sluice-limited: the queue's headroom, ms.")
+    ] = 30,
+    tolerance_ms: Annotated[
+        int, typer.Option(min=0, max=60_000, help="sluice-limited: the queue's pacer's tolerance, ms.")
+    ] = 20,
+    pacer: Annotated[
+        bool, typer.Option("--pacer/--no-pacer", help="sluice-limited: pace the starts (or not).")
+    ] = True,
     max_attempts: Annotated[int, typer.Option(min=1, help="no-limiter: attempts per job.")] = 50,
     backoff_base: Annotated[
         float, typer.Option(min=0, help="no-limiter: first retry delay, seconds.")
@@ -99,6 +105,7 @@ def goodput(
             count_rejected=count_rejected,
             pace=pace,
             headroom=headroom_ms / 1000,
+            tolerance_ms=tolerance_ms if pacer else None,
             max_attempts=max_attempts,
             backoff_base=backoff_base,
             backoff_max=backoff_max,
@@ -137,9 +144,12 @@ def _queue_limits(meta: dict[str, Any]) -> str:
     window, pace, headroom_ms = meta["window"], meta["pace"], meta["headroom"] * 1000
     starts = f"{meta['requests'] // pace:,} starts per {window / pace:g} s"
     if pace > 1:
-        starts += f" (paced: the provider's {meta['requests']:,} per {window:g} s in {pace} steps)"
+        starts += f" (the provider's {meta['requests']:,} per {window:g} s in {pace} steps)"
+    tolerance = meta.get("tolerance_ms")
+    pacer = "no pacer" if tolerance is None else f"paced, {tolerance} ms tolerance"
     return (
         f"{starts} and {meta['tokens']:,} tokens per {window:g} s, every window + {headroom_ms:g} ms headroom"
+        f", {pacer}"
     )
 
 

@@ -26,6 +26,14 @@ if TYPE_CHECKING:
     from sluice.engine.scripts import Scripts
 
 
+#: The pacer's tolerance unless set (ms; the dispatch script has the same default).
+DEFAULT_TOLERANCE_MS = 20
+#: The headroom unless set (ms; the scripts have the same default).
+DEFAULT_HEADROOM_MS = 30
+#: The largest tolerance or headroom accepted (ms).
+MAX_PACING_MS = 60_000
+
+
 @dataclass(frozen=True, slots=True)
 class FlowState:
     """The queue's flow controls and how full their windows are now."""
@@ -41,12 +49,24 @@ class FlowState:
     token_limit: int | None
     token_per_seconds: float | None
     tokens_in_window: int
+    #: The pacer's tolerance (ms; None: no pacer, starts come as the logs allow)
+    pace_tolerance_ms: int | None = DEFAULT_TOLERANCE_MS
+    #: Added to every rate window the logs count (ms)
+    headroom_ms: int = DEFAULT_HEADROOM_MS
 
 
 def _positive_int(what: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigurationError(
             f"{what} must be an integer >= 1 (or None to remove the limit), got {value!r}"
+        )
+    return value
+
+
+def _pacing_ms(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PACING_MS:
+        raise ConfigurationError(
+            f"{what} must be an integer number of ms from 0 to {MAX_PACING_MS}, got {value!r}"
         )
     return value
 
@@ -88,16 +108,21 @@ class FlowControl:
     async def set_rate_limit(self, max_starts: int | None, per: float = 1.0) -> None:
         """At most ``max_starts`` job starts in any ``per`` seconds, over all workers.
 
-        A sliding window: every ``max_starts + 1`` consecutive starts span at
-        least ``per`` seconds. None removes the limit.
+        A sliding window, counted over ``per`` plus the headroom
+        (:meth:`set_pacing`): every ``max_starts + 1`` consecutive starts span
+        at least that. The pacer spaces the starts evenly within it. None
+        removes the limit.
         """
         if max_starts is None:
-            await self.redis.hdel(self.keys.control, "rate_max", "rate_ms")
+            await self.redis.hdel(self.keys.control, "rate_max", "rate_ms", "tat_req")
         else:
-            await self.redis.hset(
-                self.keys.control,
-                mapping={"rate_max": _positive_int("max_starts", max_starts), "rate_ms": _window_ms(per)},
-            )
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.hset(
+                    self.keys.control,
+                    mapping={"rate_max": _positive_int("max_starts", max_starts), "rate_ms": _window_ms(per)},
+                )
+                pipe.hdel(self.keys.control, "tat_req")
+                await pipe.execute()
         await self._wake()
 
     @writes
@@ -106,12 +131,12 @@ class FlowControl:
 
         Jobs reserve their ``tokens`` estimate when dispatched; the usage the
         handler reports replaces it at completion, so the window holds what
-        was really used as soon as it is known. None removes the limit.
+        was really used as soon as it is known. The window is counted over
+        ``per`` plus the headroom (:meth:`set_pacing`), and the pacer spaces
+        starts by their tokens. None removes the limit.
         """
-        k = self.keys
         if tokens is None:
-            await self.redis.hdel(k.control, "tpm")
-            await self._wake()
+            await self.scripts.pace(keys=self._pace_keys(), args=["tokens", "", 0])
             return
         limit = _positive_int("tokens", tokens)
         if limit > MAX_TOKENS:
@@ -119,15 +144,32 @@ class FlowControl:
         win_ms = _window_ms(per)
         if win_ms < 1000:
             raise ConfigurationError(f"a token-rate window must be at least 1 second, got {per!r}")
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                k.budget_prefix + TOKEN_RATE_BUDGET,
-                mapping={"limit": limit, "win": "roll", "win_ms": win_ms},
-            )
-            pipe.hsetnx(k.budget_prefix + TOKEN_RATE_BUDGET, "used", 0)
-            pipe.hset(k.control, "tpm", 1)
-            pipe.zadd(k.wake, {"w": 0})
-            await pipe.execute()
+        await self.scripts.pace(keys=self._pace_keys(), args=["tokens", limit, win_ms])
+
+    @writes
+    async def set_pacing(
+        self, *, tolerance_ms: int | None = DEFAULT_TOLERANCE_MS, headroom_ms: int = DEFAULT_HEADROOM_MS
+    ) -> None:
+        """How the request-rate and token-rate limits space the starts they admit.
+
+        The pacer spaces starts evenly, ``(per + headroom) / limit`` apart (per
+        request, or per token for the token-rate limit), so a window's worth
+        never leaves at once; a worker up to ``tolerance_ms`` late takes the
+        starts it owes at once. ``tolerance_ms=None`` turns the pacer off: the
+        limits' logs alone admit, in bursts. ``headroom_ms`` is added to every
+        window the logs count, so starts that reach the provider up to that
+        much closer together than they left still fit its window. Defaults:
+        the pacer on with 20 ms of tolerance, 30 ms of headroom (what two
+        worker processes on one machine needed at 1-second windows; it costs
+        headroom / window of the limit).
+        """
+        tolerance = "off" if tolerance_ms is None else _pacing_ms("tolerance_ms", tolerance_ms)
+        headroom = _pacing_ms("headroom_ms", headroom_ms)
+        await self.scripts.pace(keys=self._pace_keys(), args=["pacing", tolerance, headroom])
+
+    def _pace_keys(self) -> list[str]:
+        k = self.keys
+        return [k.control, k.budget_prefix + TOKEN_RATE_BUDGET, k.wake]
 
     @writes
     async def pause(self) -> None:
@@ -164,14 +206,16 @@ class FlowControl:
         raw: dict[bytes, bytes] = await self.redis.hgetall(k.control)  # type: ignore[assignment]
         c = {key.decode(): value.decode() for key, value in raw.items()}
         rate_ms = int(c["rate_ms"]) if "rate_ms" in c else None
+        headroom = int(c.get("headroom_ms", DEFAULT_HEADROOM_MS))
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zcard(k.active)
-            pipe.zcount(k.starts, f"({t - rate_ms}" if rate_ms else "-inf", "+inf")
+            pipe.zcount(k.starts, f"({t - rate_ms - headroom}" if rate_ms else "-inf", "+inf")
             active, starts = await pipe.execute()
         tpm: BudgetState | None = None
         if c.get("tpm") == "1":
             (tpm,) = await self.budgets.get_many([TOKEN_RATE_BUDGET], now=t)
         until = int(c["throttled_until"]) if "throttled_until" in c else 0
+        tolerance = c.get("tolerance_ms", str(DEFAULT_TOLERANCE_MS))
         return FlowState(
             paused=c.get("paused") == "1",
             throttled_until_ms=until if until > t else None,
@@ -181,6 +225,11 @@ class FlowControl:
             rate_per_seconds=rate_ms / 1000 if rate_ms else None,
             starts_in_window=int(starts) if rate_ms else 0,
             token_limit=tpm.limit if tpm else None,
-            token_per_seconds=tpm.window_seconds if tpm else None,
+            # the nominal window: the budget's counts the headroom too
+            token_per_seconds=(int(c["tpm_ms"]) / 1000 if "tpm_ms" in c else tpm.window_seconds)
+            if tpm
+            else None,
             tokens_in_window=tpm.used if tpm else 0,
+            pace_tolerance_ms=None if tolerance == "off" else int(tolerance),
+            headroom_ms=headroom,
         )

@@ -46,6 +46,7 @@ COMMANDS = (
     "heartbeat",
     "now",
     "latency",
+    "pace",
 )
 
 
@@ -119,3 +120,4 @@ class Scripts:
         self.heartbeat: AsyncScript = redis.register_script(source("heartbeat"))
         self.now: AsyncScript = redis.register_script(source("now"))
         self.latency: AsyncScript = redis.register_script(source("latency"))
+        self.pace: AsyncScript = redis.register_script(source("pace"))

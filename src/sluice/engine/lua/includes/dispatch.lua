@@ -24,6 +24,15 @@
 --   `wait` is 0 when nothing refused, else as for queue_wait.
 --   Each gate that refuses is noted in G.refused (paused, throttled,
 --   concurrency, rate, token_rate, budget).
+--   The request-rate and token-rate limits each have two parts: the exact log
+--   (the starts zset; the '#tpm' rolling budget), counted over W + h (the
+--   headroom, control 'headroom_ms', 30 unless set), is the hard cap; a pacer (a GCRA with
+--   tolerance tau, control 'tolerance_ms', 'off' for none) spaces the starts
+--   (W + h) / N apart, per request or per token. A job starts only when the
+--   pacer's theoretical arrival time (control 'tat_req', 'tat_tok': us) is at
+--   most tau away; its start moves that time on by its cost. A pacer's
+--   refusal counts as its limit's (rate, token_rate), and its wait is tat - tau.
+--   The times are written back with one HSET per call.
 -- count_refusals(K, G, max_jobs): adds the noted gates to the stats hash
 --   ('refused:<gate>', one HINCRBY each): dispatch calls each gate refused.
 -- next_due(K, wait): the earliest time something may become runnable without
@@ -145,17 +154,30 @@ local function promote_due(K, G, now)
   return #due
 end
 
+-- The pacer's tolerance when none is set (ms): a worker that comes a little
+-- late takes the starts it owes at once instead of losing them.
+local PACE_TOLERANCE_MS = 20
+-- The headroom when none is set (ms): what two worker processes on one
+-- machine needed (docs/architecture.md, "The pacer").
+local PACE_HEADROOM_MS = 30
+
 local function load_gates(K, now)
   local f = redis.call('HMGET', K.control, 'paused', 'throttled_until', 'concurrency', 'rate_max',
-                       'rate_ms', 'tpm')
+                       'rate_ms', 'tpm', 'tolerance_ms', 'headroom_ms', 'tat_req', 'tat_tok')
   local G = {paused = f[1] == '1', until_ms = tonumber(f[2]) or 0, conc = tonumber(f[3]),
              rate_max = tonumber(f[4]), rate_ms = tonumber(f[5]) or 0, tpm = nil, cache = {},
-             refused = {}}
+             refused = {}, headroom = tonumber(f[8]) or PACE_HEADROOM_MS, paced = false,
+             -- The pacers' theoretical arrival times, in microseconds of the clock.
+             now_us = now * 1000, tat_req = tonumber(f[9]) or 0, tat_tok = tonumber(f[10]) or 0}
+  G.pace = f[7] ~= 'off'
+  G.tau_us = (tonumber(f[7]) or PACE_TOLERANCE_MS) * 1000
   if G.conc then G.active = redis.call('ZCARD', K.active) end
   if G.rate_max then
+    -- The log counts over W + h (the headroom): the hard cap.
+    G.rate_win = G.rate_ms + G.headroom
     -- Counted, not pruned, to be exact: ZCOUNT is O(log n) however many starts
     -- have just left the window; they are removed at most LOG_PRUNE_MAX per call.
-    local cutoff = now - G.rate_ms
+    local cutoff = now - G.rate_win
     G.starts = redis.call('ZCOUNT', K.starts, '(' .. cutoff, '+inf')
     local old = redis.call('ZRANGE', K.starts, LOG_PRUNE_MAX - 1, LOG_PRUNE_MAX - 1, 'WITHSCORES')
     if #old > 0 and tonumber(old[2]) <= cutoff then
@@ -168,6 +190,19 @@ local function load_gates(K, now)
   return G
 end
 
+-- The pacer's answer: 0 if a start is due (tat - tau <= now), else the first
+-- ms at which it is.
+local function pace_wait(G, tat)
+  if not G.pace or tat - G.tau_us <= G.now_us then return 0 end
+  return math.ceil((tat - G.tau_us) / 1000)
+end
+
+-- The pacer's next theoretical arrival time after a start of `cost` units, each
+-- (win_ms / limit) ms apart: whole microseconds, rounded up.
+local function pace_next(G, tat, cost, win_ms, limit)
+  return math.max(tat, G.now_us) + math.ceil(cost * win_ms * 1000 / limit)
+end
+
 -- The gate that refused this call, noted once per gate (see count_refusals).
 local function refused(G, gate)
   G.refused[gate] = true
@@ -177,11 +212,14 @@ local function queue_wait(K, G, now)
   if G.paused then refused(G, 'paused'); return -1 end
   if G.until_ms > now then refused(G, 'throttled'); return G.until_ms end
   if G.conc and G.active >= G.conc then refused(G, 'concurrency'); return -1 end
-  if G.rate_max and G.starts >= G.rate_max then
-    refused(G, 'rate')
-    local first = redis.call('ZRANGEBYSCORE', K.starts, '(' .. (now - G.rate_ms), '+inf', 'WITHSCORES',
-                             'LIMIT', 0, 1)
-    return tonumber(first[2]) + G.rate_ms
+  if G.rate_max then
+    local wait = pace_wait(G, G.tat_req)
+    if G.starts >= G.rate_max then
+      local first = redis.call('ZRANGEBYSCORE', K.starts, '(' .. (now - G.rate_win), '+inf', 'WITHSCORES',
+                               'LIMIT', 0, 1)
+      wait = math.max(wait, tonumber(first[2]) + G.rate_win)
+    end
+    if wait ~= 0 then refused(G, 'rate'); return wait end
   end
   return 0
 end
@@ -231,10 +269,17 @@ local function admit_job(K, G, jk, id, f, score, now, C)
                  .. tpm.limit .. '; split the job or raise the limit', now, C)
       return 'skip'
     end
+    -- A job that costs no tokens is not paced by them.
+    local wait = 0
+    if tokens > 0 then wait = pace_wait(G, G.tat_tok) end
     if tpm.used + tokens > tpm.limit then
+      local at = now -- while 'used' still counts charges that left
+      if not tpm.behind then at = roll_free_at(K, tpm, tokens) end
+      if at < 0 then wait = -1 else wait = math.max(wait, at) end
+    end
+    if wait ~= 0 then
       refused(G, 'token_rate')
-      if tpm.behind then return 'block', now end -- 'used' still counts charges that left
-      return 'block', roll_free_at(K, tpm, tokens)
+      return 'block', wait
     end
   end
   local budget = f[10]
@@ -270,7 +315,7 @@ local function admit_job(K, G, jk, id, f, score, now, C)
   return 'take', levels
 end
 
-local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
+local function take_some(K, G, now, max_jobs, lease_ms, worker, out, C)
   local wait = queue_wait(K, G, now)
   if max_jobs <= 0 or wait ~= 0 then
     -- A closed gate refuses nothing while nothing waits.
@@ -338,7 +383,13 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
           if G.rate_max then
             redis.call('ZADD', K.starts, now, id .. ':' .. token)
             G.starts = G.starts + 1
+            if G.pace then G.tat_req = pace_next(G, G.tat_req, 1, G.rate_win, G.rate_max) end
           end
+          if G.tpm and G.pace then
+            G.tat_tok = pace_next(G, G.tat_tok, math.max(math.floor(tonumber(f[9]) or 0), 0), G.tpm.win_ms,
+                                  G.tpm.limit)
+          end
+          if G.pace and (G.rate_max or G.tpm) then G.paced = true end
           emit(K.events, K.maxlen, 'active', id, 'worker', worker, 'attempt', attempt, 'token', token)
           local n = #out
           out[n + 1] = id
@@ -366,6 +417,18 @@ local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
     return taken, now
   end
   return taken, 0
+end
+
+local function take_jobs(K, G, now, max_jobs, lease_ms, worker, out, C)
+  local taken, wait = take_some(K, G, now, max_jobs, lease_ms, worker, out, C)
+  if G.paced then
+    -- The pacers' times, written once per call however many jobs it leased.
+    local a = {}
+    if G.rate_max then a[#a + 1] = 'tat_req'; a[#a + 1] = G.tat_req end
+    if G.tpm then a[#a + 1] = 'tat_tok'; a[#a + 1] = G.tat_tok end
+    redis.call('HSET', K.control, unpack(a))
+  end
+  return taken, wait
 end
 
 -- Adds 1 to the stats hash's 'refused:<gate>' for each gate that refused
