@@ -279,6 +279,23 @@ def test_reservation_adds_max_tokens() -> None:
             tokens.reservation(chat, provider="openai", model="gpt-4o", max_tokens=bad)  # type: ignore[arg-type]
 
 
+def test_a_reservation_covers_the_providers_limiter_estimate_too() -> None:
+    """English prose tokenizes below characters / 4, which OpenAI's limiter (and the simulated
+    provider) count on arrival: the reservation takes the larger, so the queue's token window
+    never admits what the provider's refuses."""
+    from sluice.testing.provider import count_prompt_tokens as provider_counts
+
+    prose = "The export to CSV stops after the first page of results, every time. " * 20
+    chat: list[Message] = [{"role": "user", "content": prose}]
+    exact = tokens.count_prompt_tokens(chat, provider="openai", model="gpt-4o")
+    counted_by_limiter = provider_counts(chat)
+    assert exact < counted_by_limiter == tokens.limiter_estimate(chat)
+    assert (
+        tokens.reservation(chat, provider="openai", model="gpt-4o", max_tokens=100)
+        == counted_by_limiter + 100
+    )
+
+
 def test_malformed_messages_are_a_type_error() -> None:
     with pytest.raises(TypeError, match="message 1"):
         tokens.count_prompt_tokens(
