@@ -11,7 +11,8 @@ by every process (:func:`running_key`), appends the count it saw on entry to
 :func:`spans_key` (a hash: job id -> JSON). It sleeps ``payload["sleep"]``
 seconds in between. The counter is raised after the job was leased and
 lowered before its outcome is sent, so it never exceeds the number of jobs
-the queue has leased at once.
+the queue has leased at once. ``sends`` waits, then says its call is leaving
+(:meth:`JobContext.note_sent`): the measured headroom's tests.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def make_worker(redis_url: str, prefix: str, *, lease: float = 5.0) -> Worker:
         finally:
             await client.aclose()
         return job.worker_id
+
+    @worker.handler
+    async def sends(job: JobContext) -> None:
+        """Waits ``payload["before"]`` seconds, then says its call is leaving (note_sent)."""
+        await asyncio.sleep(float((job.payload or {}).get("before", 0.0)))
+        job.note_sent()
 
     return worker
 

@@ -137,8 +137,11 @@ COUNTERS = (
 TOKEN_RATE = "#tpm"  # noqa: S105 - a key name, not a secret
 #: The pacer's tolerance when none is set (ms).
 PACE_TOLERANCE_MS = 20
-#: The headroom when none is set (ms).
-PACE_HEADROOM_MS = 30
+#: The least headroom when none is set (ms).
+PACE_HEADROOM_MS = 5
+#: How much longer than counted the request-rate log keeps its starts (ms): dispatch.lua's
+#: LAG_KEEP_MS, so that a measured headroom that grows counts the starts it reaches back to.
+LAG_KEEP_MS = 500
 #: Budgets may be nested at most this deep (a hierarchy of 8 levels).
 MAX_LEVELS = 8
 INF = math.inf
@@ -168,10 +171,29 @@ def pace_wait(c: Control, tat: int | None, now: int) -> int:
     return math.ceil(((tat or 0) - c.tau_us) / 1000)
 
 
-def pace_next(tat: int | None, now: int, cost: int, win_ms: int, limit: int) -> int:
-    """The pacer's next arrival time after a start of ``cost`` units (win_ms / limit ms each),
-    in whole us rounded up, computed in doubles in the script's order."""
+def pace_next(tat: int | None, now: int, cost: int, win_ms: int, limit: int, slow: int = 1000) -> int:
+    """The pacer's next arrival time after a start of ``cost`` units (win_ms / limit ms each,
+    slower by ``slow`` per mille after a 429), in whole us rounded up, computed in doubles in the
+    script's order."""
+    if slow < 1000:
+        step = float(cost) * float(win_ms) * 1000.0 * 1000.0 / (float(limit) * float(slow))
+        return max(tat or 0, now * 1000) + math.ceil(step)
     return max(tat or 0, now * 1000) + math.ceil(float(cost) * float(win_ms) * 1000.0 / float(limit))
+
+
+#: After a 429: each takes the pacers' factor to 900 per mille of what it is, down to 500, at
+#: most once per 250 ms; it climbs back over 2 of the longest window (at least 1 s).
+SLOW_STEP, SLOW_FLOOR, SLOW_RECOVER, SLOW_QUIET_MS = 900, 500, 2, 250
+
+
+def slow_now(c: Control, now: int) -> int:
+    """The pacers' factor now (per mille), as dispatch.lua's slow_now."""
+    if c.slow_pm is None or c.slow_at is None:
+        return 1000
+    recover = SLOW_RECOVER * max(c.rate_ms or 0, c.tpm_ms or 0, 1000)
+    if now - c.slow_at >= recover:
+        return 1000
+    return math.floor(c.slow_pm + (1000 - c.slow_pm) * max(now - c.slow_at, 0) / recover)
 
 
 def lua_number(text: str) -> int:
@@ -443,6 +465,9 @@ class Control:
     headroom_ms: int | None = None
     tat_req: int | None = None  # the pacers' theoretical arrival times (us)
     tat_tok: int | None = None
+    slow_pm: int | None = None  # the pacers' factor after a 429 (per mille), and when it was set
+    tpm_refund: bool = False  # the token-rate window gives back usage below the estimate
+    slow_at: int | None = None
 
     @property
     def headroom(self) -> int:
@@ -466,6 +491,8 @@ class Control:
             h["paused"] = "1"
         if self.tpm:
             h["tpm"] = "1"
+        if self.tpm_refund:
+            h["tpm_refund"] = "1"
         for name, value in (
             ("throttled_until", self.throttled_until),
             ("concurrency", self.concurrency),
@@ -476,6 +503,8 @@ class Control:
             ("headroom_ms", self.headroom_ms),
             ("tat_req", self.tat_req),
             ("tat_tok", self.tat_tok),
+            ("slow_pm", self.slow_pm),
+            ("slow_at", self.slow_at),
         ):
             if value is not None:
                 h[name] = str(value)
@@ -498,7 +527,9 @@ class Model:
     events: list[ModelEvent] = field(default_factory=list)
     wake: bool = False
     control: Control = field(default_factory=Control)
-    starts: dict[str, int] = field(default_factory=dict)  # request-rate window: <id>:<token> -> start
+    starts: dict[str, int] = field(default_factory=dict)  # request-rate log: <id>:<token> -> start
+    in_window: dict[str, int] = field(default_factory=dict)  # those the window counts, this call
+    slow: int = 1000  # the pacers' factor this call (per mille)
     budgets: dict[str, ModelBudget] = field(default_factory=dict)
     resv: dict[str, ModelReservation] = field(default_factory=dict)
     #: reservations deleted with their purged job: gone from Redis, still charged
@@ -645,9 +676,11 @@ class Model:
 
     def _load_gates(self, now: int) -> None:
         c = self.control
-        if c.rate_max is not None:  # the request-rate window keeps the starts of the last rate_ms + headroom
-            window = (c.rate_ms or 0) + c.headroom
-            self.starts = {m: at for m, at in self.starts.items() if at > now - window}
+        self.slow = slow_now(c, now)
+        if c.rate_max is not None:  # the request-rate log keeps the starts of the last rate_ms + headroom
+            window = (c.rate_ms or 0) + c.headroom  # (and LAG_KEEP_MS more, not counted)
+            self.starts = {m: at for m, at in self.starts.items() if at > now - window - LAG_KEEP_MS}
+            self.in_window = {m: at for m, at in self.starts.items() if at > now - window}
         if c.tpm:
             self._consult(TOKEN_RATE, now)
 
@@ -666,8 +699,8 @@ class Model:
         if c.rate_max is not None:
             wait = pace_wait(c, c.tat_req, now)
             self.paced = self.paced or wait != 0
-            if len(self.starts) >= c.rate_max:
-                wait = max(wait, min(self.starts.values()) + (c.rate_ms or 0) + c.headroom)
+            if len(self.in_window) >= c.rate_max:
+                wait = max(wait, min(self.in_window.values()) + (c.rate_ms or 0) + c.headroom)
             if wait != 0:
                 self._refused.add("rate")
                 return wait
@@ -774,11 +807,12 @@ class Model:
         c = self.control
         if c.rate_max is not None:
             self.starts[attempt_id] = now
+            self.in_window[attempt_id] = now
             if c.pace:
-                c.tat_req = pace_next(c.tat_req, now, 1, (c.rate_ms or 0) + c.headroom, c.rate_max)
+                c.tat_req = pace_next(c.tat_req, now, 1, (c.rate_ms or 0) + c.headroom, c.rate_max, self.slow)
         if c.tpm and c.pace:
             tpm = self.budgets[TOKEN_RATE]
-            c.tat_tok = pace_next(c.tat_tok, now, job.spec.tokens, tpm.win_ms, tpm.admits)
+            c.tat_tok = pace_next(c.tat_tok, now, job.spec.tokens, tpm.win_ms, tpm.admits, self.slow)
         self._emit("active", job.id, "worker", worker, "attempt", job.attempt, "token", job.token)
         s = job.spec
         return LeasedJob(
@@ -921,6 +955,9 @@ class Model:
         c = self.control
         if until > (c.throttled_until or 0):
             c.throttled_until = until
+        if c.slow_at is None or not (0 <= now - c.slow_at < SLOW_QUIET_MS):
+            c.slow_pm = max(SLOW_FLOOR, math.floor(slow_now(c, now) * SLOW_STEP / 1000))
+            c.slow_at = now
         self.stats["throttled"] += 1
         self._emit("throttled", job.id, "retry_after_ms", retry_after)
         return 6
@@ -1047,12 +1084,13 @@ class Model:
         self.control.tat_req = None  # a new limit starts its pacer afresh
         self.wake = True
 
-    def set_token_rate_limit(self, tokens: int | None, per_ms: int) -> None:
+    def set_token_rate_limit(self, tokens: int | None, per_ms: int, refund_unused: bool = False) -> None:
         """The token-rate budget keeps what it counts when its limit or window changes,
         and while the limit is off."""
         self.wake = True
         c = self.control
         c.tat_tok = None
+        c.tpm_refund = tokens is not None and refund_unused
         if tokens is None:
             c.tpm, c.tpm_ms = False, None
             return
@@ -1110,6 +1148,8 @@ class Model:
             "tokens_in_window": tpm["used"] if tpm else 0,
             "pace_tolerance_ms": None if not c.pace else c.tau_us // 1000,
             "headroom_ms": c.headroom,
+            "measured_headroom_ms": 0,  # no worker of the model reports its delays
+            "pace_factor_pm": slow_now(c, now),
         }
 
     # ---- the ledger ----------------------------------------------------------------------
@@ -1187,6 +1227,35 @@ class Model:
         periods = [b.period or 0 for b in levels]
         self.resv[rid] = ModelReservation(rid, amount, amount, [b.name for b in levels], periods, now, job_id)
 
+    def _settle_level(self, now: int, b: ModelBudget, r: ModelReservation, d: int, job_id: str) -> bool:
+        """One level of settle(): moves its count by ``d``; whether tokens went back to a budget
+        with parked jobs."""
+        rid = r.rid
+        freed = False
+        was = b.used
+        b.used = max(b.used + d, 0)
+        if b.win == "roll":
+            b.log[rid] = (b.log[rid][0], r.amt + d)
+        if d > 0 and b.name != TOKEN_RATE:
+            b.counters["beyond"] = b.counters.get("beyond", 0) + d
+            if was <= b.admits < b.used:
+                self._emit(
+                    "overspent",
+                    job_id,
+                    "budget",
+                    b.name,
+                    "used",
+                    b.used,
+                    "limit",
+                    b.admits,
+                    "reservation",
+                    rid.removeprefix("u:"),  # a caller's, by the id it chose
+                )
+        if d < 0 and b.name in self.parkedby:
+            self.parkedby[b.name] = now
+            freed = True
+        return freed
+
     def settle(self, now: int, rid: str, how: str, actual: int, job_id: str = "") -> tuple[str, bool, bool]:
         """Commit (``actual`` tokens; a negative one keeps the amount), refund or keep as
         unknown a held reservation. What was used is charged in full to every level, past
@@ -1205,29 +1274,11 @@ class Model:
         levels = [b for i, b in present if self._counted(b, r, i)]
         d = target - r.amt
         freed = False
+        # The token-rate window keeps what the provider's limiter counted (see ledger.lua).
+        tpm_keeps = how == "commit" and d < 0 and not self.control.tpm_refund
         for b in levels:
-            was = b.used
-            b.used = max(b.used + d, 0)
-            if b.win == "roll":
-                b.log[rid] = (b.log[rid][0], r.amt + d)
-            if d > 0 and b.name != TOKEN_RATE:
-                b.counters["beyond"] = b.counters.get("beyond", 0) + d
-                if was <= b.admits < b.used:
-                    self._emit(
-                        "overspent",
-                        job_id,
-                        "budget",
-                        b.name,
-                        "used",
-                        b.used,
-                        "limit",
-                        b.admits,
-                        "reservation",
-                        rid.removeprefix("u:"),  # a caller's, by the id it chose
-                    )
-            if d < 0 and b.name in self.parkedby:
-                self.parkedby[b.name] = now
-                freed = True
+            if not (tpm_keeps and b.name == TOKEN_RATE):
+                freed = self._settle_level(now, b, r, d, job_id) or freed
         if d > 0:
             r.beyond = d
         r.amt = target

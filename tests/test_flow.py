@@ -45,11 +45,31 @@ T = 1_800_000_000_000
 
 
 # ---- the token-rate window ------------------------------------------------------------------------------
-async def test_token_rate_limit_admits_what_fits_and_reported_usage_frees_room(queue: Queue) -> None:
-    # Given at most 1000 tokens a minute, and jobs estimated at 400 tokens (the window
-    # alone: no pacer)
+async def test_the_token_window_keeps_what_the_providers_limiter_counted(queue: Queue) -> None:
+    # Given 1000 tokens a minute at a provider that counts prompt + max_tokens on arrival and
+    # gives nothing back (OpenAI's: the default)
     await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
     await queue.set_token_rate_limit(1000, per=60)
+    j1, j2, _ = await queue.add_bulk(JobSpec("llm", tokens=400) for _ in range(3))
+    (_, t1), (_, t2) = leased(await step(queue, T, want=2))
+
+    # When the first reports 100 tokens used, the window still counts its 400: the third waits
+    reply = await step(queue, T + 1000, outcomes=[completed(j1.id, t1, usage=100)])
+    assert (reply.codes, ids(reply)) == ([1], [])
+    assert (await queue.flow(now=T + 1000)).tokens_in_window == 800
+    # And usage above the estimate is counted in full
+    await step(queue, T + 1001, want=0, outcomes=[completed(j2.id, t2, usage=550)])
+    assert (await queue.flow(now=T + 1001)).tokens_in_window == 950
+    # while the job's record says what it used and was charged, for the bill
+    last = (await queue.get_job(j1.id)).attempts_spend[-1]  # type: ignore[union-attr]
+    assert (last.reported, last.charged, (await queue.get_job(j1.id)).spent) == (100, 100, 100)  # type: ignore[union-attr]
+
+
+async def test_token_rate_limit_admits_what_fits_and_reported_usage_frees_room(queue: Queue) -> None:
+    # Given at most 1000 tokens a minute at a provider that gives back what a call did not
+    # use, and jobs estimated at 400 tokens (the window alone: no pacer)
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
+    await queue.set_token_rate_limit(1000, per=60, refund_unused=True)
     j1, j2, j3, j4 = await queue.add_bulk(JobSpec("llm", tokens=400) for _ in range(4))
 
     # When a worker takes one at T and more half a second later

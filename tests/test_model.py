@@ -729,8 +729,9 @@ class QueueMachine(RuleBasedStateMachine):
         elif gate == "token rate":
             tokens = data.draw(st.sampled_from([None, 8, 15, 40]), label="tokens")
             per_ms = data.draw(st.sampled_from([1000, 2500]), label="per ms")
-            m.set_token_rate_limit(tokens, per_ms)
-            self.run(q.set_token_rate_limit(tokens, per_ms / 1000))
+            refund = data.draw(st.booleans(), label="refund unused")
+            m.set_token_rate_limit(tokens, per_ms, refund)
+            self.run(q.set_token_rate_limit(tokens, per_ms / 1000, refund_unused=refund))
         elif gate == "pacing":
             tolerance = data.draw(st.sampled_from([None, 0, 20, 100]), label="tolerance ms")
             headroom = data.draw(st.sampled_from([0, 0, 30]), label="headroom ms")

@@ -21,7 +21,7 @@ from sluice import ConfigurationError, JobSpec, Queue
 from sluice.engine.budgets import TOKEN_RATE_BUDGET
 from tests.proc_harness import WorkerProcs
 from tests.stepping import ids_of as ids
-from tests.stepping import step
+from tests.stepping import leased, step
 from tests.test_flow import FLOW_TARGET, both_idle
 
 #: A fixed clock for the tests that pass ``now`` (Unix ms).
@@ -122,13 +122,13 @@ async def test_the_pacer_spaces_by_w_plus_h_over_n(queue: Queue) -> None:
 
 async def test_flow_reports_the_pacing(queue: Queue) -> None:
     flow = await queue.flow(now=T)
-    assert (flow.pace_tolerance_ms, flow.headroom_ms) == (20, 30)
+    assert (flow.pace_tolerance_ms, flow.headroom_ms) == (20, 5)
     await queue.set_pacing(tolerance_ms=5, headroom_ms=0)
     flow = await queue.flow(now=T)
     assert (flow.pace_tolerance_ms, flow.headroom_ms) == (5, 0)
     await queue.set_pacing(tolerance_ms=None)
     flow = await queue.flow(now=T)
-    assert (flow.pace_tolerance_ms, flow.headroom_ms) == (None, 30)
+    assert (flow.pace_tolerance_ms, flow.headroom_ms) == (None, 5)
 
 
 @pytest.mark.parametrize("bad", [-1, 60_001, 1.5, True, "20"])
@@ -229,3 +229,31 @@ async def test_paced_starts_spread_over_the_window_across_processes(
     else:
         # unpaced, the whole window leaves at once: every slot in the first 100 ms
         assert most_in(starts, 100) >= 30, starts
+
+
+# ---- after a provider's 429 -------------------------------------------------------------------------------
+async def test_a_429_slows_the_pacer_which_then_recovers(queue: Queue) -> None:
+    # Given 4 starts a second, paced 250 ms apart (no headroom, no tolerance)
+    await queue.set_pacing(tolerance_ms=0, headroom_ms=0)
+    await queue.set_rate_limit(4, per=1)
+    await queue.add_bulk(JobSpec("x") for _ in range(12))
+    reply = await step(queue, T)
+    (job_id, token), *_ = leased(reply)
+
+    # When its call gets a 429 asking for 100 ms, the queue waits that long, and the pacer
+    # then runs at 90 % of the limit's rate, climbing back over two windows (2 s)
+    throttled = (job_id, token, b"t", b"100", 0, 0)
+    assert (await step(queue, T + 10, want=0, outcomes=[throttled])).codes == [6]
+    flow = await queue.flow(now=T + 10)
+    assert (flow.throttled_until_ms, flow.pace_factor_pm) == (T + 110, 900)
+    # at T + 250 it is at 912 per mille: 250 / 0.912 = 274.1 ms to the next start
+    (job_id, token), *_ = leased(await step(queue, T + 250))
+    assert (await step(queue, T + 251)).next_due == T + 525
+
+    # A second 429 within 250 ms of the first is the same mistake: no second step down
+    await step(queue, T + 259, want=0, outcomes=[(job_id, token, b"t", b"0", 0, 0)])
+    assert (await queue.flow(now=T + 259)).pace_factor_pm == 912
+
+    # It climbs back to the limits' rate over two windows
+    assert (await queue.flow(now=T + 1010)).pace_factor_pm == 950
+    assert (await queue.flow(now=T + 2010)).pace_factor_pm == 1000

@@ -38,7 +38,12 @@ def flow_table(f: FlowState, target: Target) -> RenderableType:
     tokens = f"{f.token_limit:,} per {f.token_per_seconds:g} s" if f.token_limit else "none"
     table.add_row("token rate", f"{tokens} ({f.tokens_in_window:,} in the window)")
     pace = "off (the windows alone)" if f.pace_tolerance_ms is None else f"{f.pace_tolerance_ms} ms tolerance"
-    table.add_row("pacing", f"{pace}, {f.headroom_ms} ms headroom")
+    measured = f"measured {f.measured_headroom_ms} ms" if f.measured_headroom_ms else "none measured lately"
+    table.add_row(
+        "pacing", f"{pace}, {f.effective_headroom_ms} ms headroom (at least {f.headroom_ms}; {measured})"
+    )
+    if f.pace_factor_pm < 1000:
+        table.add_row("after a 429", f"starts paced at {f.pace_factor_pm / 10:g} % of the limits, recovering")
     return table
 
 
@@ -130,7 +135,14 @@ def flow_set(
     ] = None,
     headroom_ms: Annotated[
         int | None,
-        typer.Option(min=0, max=MAX_PACING_MS, help="Ms added to every rate window (default 30)."),
+        typer.Option(
+            min=0,
+            max=MAX_PACING_MS,
+            help=(
+                "The least ms added to every rate window (default 5); the workers' measured "
+                "spread of dispatch-to-send delays is used when larger."
+            ),
+        ),
     ] = None,
     queue: QueueOpt = DEFAULT_QUEUE,
     prefix: PrefixOpt = DEFAULT_PREFIX,

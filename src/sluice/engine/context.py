@@ -8,6 +8,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from sluice.engine.job import MAX_TOKENS
+from sluice.engine.lag import LagMeter
 
 #: The attempt running in this task (or in the thread of a sync handler): set by the worker
 #: before the handler starts, in the job's own task, so that it never leaks to another job.
@@ -77,13 +78,16 @@ class JobContext:
         "budget",
         "correlation_id",
         "created_ms",
+        "dispatched_ms",
         "epoch",
         "id",
+        "lag",
         "max_attempts",
         "name",
         "payload",
         "prefix",
         "queue",
+        "sent_noted",
         "stop_requested",
         "token",
         "tokens",
@@ -110,6 +114,8 @@ class JobContext:
         budget: str | None = None,
         correlation_id: str | None = None,
         trace_context: str | None = None,
+        dispatched_ms: int = 0,
+        lag: LagMeter | None = None,
     ) -> None:
         self.queue = queue
         self.id = job_id
@@ -136,6 +142,28 @@ class JobContext:
         #: set by the worker (from its event loop) when it wants this attempt to end; a plain
         #: flag, so that a sync handler can read it from its thread
         self.stop_requested = False
+        #: when the dispatch leased this attempt (ms, Redis's clock; 0: unknown)
+        self.dispatched_ms = dispatched_ms
+        #: the worker's meter of dispatch-to-send delays (None outside a worker)
+        self.lag = lag
+        self.sent_noted = False
+
+    def note_sent(self) -> None:
+        """Say that the call this job was dispatched for is leaving now.
+
+        Call it right before sending the request that counts against the
+        provider's limits (Sluice's own providers do it for you); only the
+        first call of an attempt counts. The worker measures how late calls
+        leave after their dispatch, and the queue's pacer widens its windows
+        by the spread of those delays, so that calls that arrive closer
+        together than they were started still fit the provider's window
+        (docs/architecture.md, "The pacer"). A handler that never says is
+        measured at its start, which misses what it does before the call.
+        """
+        if self.sent_noted or self.lag is None or not self.dispatched_ms:
+            return
+        self.sent_noted = True
+        self.lag.sent(self.dispatched_ms)
 
     def record_usage(self, tokens: int) -> None:
         """Report the tokens this attempt actually used (e.g. the provider's usage.total_tokens).

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
 #: The pacer's tolerance unless set (ms; the dispatch script has the same default).
 DEFAULT_TOLERANCE_MS = 20
-#: The headroom unless set (ms; the scripts have the same default).
-DEFAULT_HEADROOM_MS = 30
+#: The least headroom unless set (ms; the scripts have the same default). The workers'
+#: measured spread of dispatch-to-send delays is used when it is larger (engine/lag.py).
+DEFAULT_HEADROOM_MS = 5
 #: The largest tolerance or headroom accepted (ms).
 MAX_PACING_MS = 60_000
 
@@ -51,8 +52,20 @@ class FlowState:
     tokens_in_window: int
     #: The pacer's tolerance (ms; None: no pacer, starts come as the logs allow)
     pace_tolerance_ms: int | None = DEFAULT_TOLERANCE_MS
-    #: Added to every rate window the logs count (ms)
+    #: The least headroom added to every rate window the logs count (ms), as set
     headroom_ms: int = DEFAULT_HEADROOM_MS
+    #: The headroom the workers measured: the spread of their dispatch-to-send delays (ms;
+    #: 0 when none reported lately). The windows count over the larger of the two.
+    measured_headroom_ms: int = 0
+    #: The pacers' rate now, per mille of the limits': below 1000 for a while after a
+    #: provider's 429 (each takes it to 90 % of what it is, down to 50 %; it climbs back over
+    #: two of the longest limit window)
+    pace_factor_pm: int = 1000
+
+    @property
+    def effective_headroom_ms(self) -> int:
+        """What the rate windows count over beyond their length now (ms)."""
+        return max(self.headroom_ms, self.measured_headroom_ms)
 
 
 def _positive_int(what: str, value: object) -> int:
@@ -77,6 +90,23 @@ def _window_ms(per: object) -> int:
     if not 0.001 <= per <= 86_400:
         raise ConfigurationError(f"per must be from 0.001 to 86400 seconds, got {per!r}")
     return max(1, round(per * 1000))
+
+
+#: After a provider's 429 the pacers slow down for a while (dispatch.lua, slow_now): they
+#: recover over this many of the longest limit window (at least a second).
+SLOW_RECOVER_WINDOWS = 2
+
+
+def pace_factor(control: dict[str, str], now: int) -> int:
+    """The pacers' rate at ``now``, per mille of the limits' (as dispatch.lua's slow_now)."""
+    if "slow_pm" not in control or "slow_at" not in control:
+        return 1000
+    pm, at = int(control["slow_pm"]), int(control["slow_at"])
+    longest = max(int(control.get("rate_ms", 0)), int(control.get("tpm_ms", 0)), 1000)
+    recover = SLOW_RECOVER_WINDOWS * longest
+    if now - at >= recover:
+        return 1000
+    return math.floor(pm + (1000 - pm) * max(now - at, 0) / recover)
 
 
 class FlowControl:
@@ -126,17 +156,24 @@ class FlowControl:
         await self._wake()
 
     @writes
-    async def set_token_rate_limit(self, tokens: int | None, per: float = 60.0) -> None:
+    async def set_token_rate_limit(
+        self, tokens: int | None, per: float = 60.0, *, refund_unused: bool = False
+    ) -> None:
         """At most ``tokens`` estimated tokens dispatched in any ``per`` seconds.
 
-        Jobs reserve their ``tokens`` estimate when dispatched; the usage the
-        handler reports replaces it at completion, so the window holds what
-        was really used as soon as it is known. The window is counted over
-        ``per`` plus the headroom (:meth:`set_pacing`), and the pacer spaces
-        starts by their tokens. None removes the limit.
+        Jobs reserve their ``tokens`` estimate when dispatched: for an LLM
+        call, its prompt's tokens plus ``max_tokens``, which is what OpenAI's
+        limiter counts when the call arrives. Usage the handler reports above
+        the estimate is added to the window; usage below it is not given back,
+        because that provider does not give it back either, unless
+        ``refund_unused`` (for a provider whose limiter corrects its count by
+        the output really written, as Anthropic's output-token limit does).
+        The window is counted over ``per`` plus the headroom
+        (:meth:`set_pacing`), and the pacer spaces starts by their tokens.
+        None removes the limit.
         """
         if tokens is None:
-            await self.scripts.pace(keys=self._pace_keys(), args=["tokens", "", 0])
+            await self.scripts.pace(keys=self._pace_keys(), args=["tokens", "", 0, 0])
             return
         limit = _positive_int("tokens", tokens)
         if limit > MAX_TOKENS:
@@ -144,7 +181,9 @@ class FlowControl:
         win_ms = _window_ms(per)
         if win_ms < 1000:
             raise ConfigurationError(f"a token-rate window must be at least 1 second, got {per!r}")
-        await self.scripts.pace(keys=self._pace_keys(), args=["tokens", limit, win_ms])
+        await self.scripts.pace(
+            keys=self._pace_keys(), args=["tokens", limit, win_ms, int(bool(refund_unused))]
+        )
 
     @writes
     async def set_pacing(
@@ -156,12 +195,15 @@ class FlowControl:
         request, or per token for the token-rate limit), so a window's worth
         never leaves at once; a worker up to ``tolerance_ms`` late takes the
         starts it owes at once. ``tolerance_ms=None`` turns the pacer off: the
-        limits' logs alone admit, in bursts. ``headroom_ms`` is added to every
-        window the logs count, so starts that reach the provider up to that
-        much closer together than they left still fit its window. Defaults:
-        the pacer on with 20 ms of tolerance, 30 ms of headroom (what two
-        worker processes on one machine needed at 1-second windows; it costs
-        headroom / window of the limit).
+        limits' logs alone admit, in bursts. The headroom is added to every
+        window the logs count, so calls that reach the provider up to that
+        much closer together than they were started still fit its window. The
+        workers measure it (the spread of their dispatch-to-send delays, see
+        :meth:`JobContext.note_sent`); ``headroom_ms`` is the least used,
+        for what they cannot see (network delays that differ between hosts).
+        Defaults: the pacer on with 20 ms of tolerance, at least 5 ms of
+        headroom. A headroom costs headroom / window of the limit: raise the
+        least on windows of a minute, where 300 ms costs 0.5 %.
         """
         tolerance = "off" if tolerance_ms is None else _pacing_ms("tolerance_ms", tolerance_ms)
         headroom = _pacing_ms("headroom_ms", headroom_ms)
@@ -206,7 +248,9 @@ class FlowControl:
         raw: dict[bytes, bytes] = await self.redis.hgetall(k.control)  # type: ignore[assignment]
         c = {key.decode(): value.decode() for key, value in raw.items()}
         rate_ms = int(c["rate_ms"]) if "rate_ms" in c else None
-        headroom = int(c.get("headroom_ms", DEFAULT_HEADROOM_MS))
+        least = int(c.get("headroom_ms", DEFAULT_HEADROOM_MS))
+        measured = int(c.get("lag_h", 0))
+        headroom = max(least, measured)
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zcard(k.active)
             pipe.zcount(k.starts, f"({t - rate_ms - headroom}" if rate_ms else "-inf", "+inf")
@@ -231,5 +275,7 @@ class FlowControl:
             else None,
             tokens_in_window=tpm.used if tpm else 0,
             pace_tolerance_ms=None if tolerance == "off" else int(tolerance),
-            headroom_ms=headroom,
+            headroom_ms=least,
+            measured_headroom_ms=measured,
+            pace_factor_pm=pace_factor(c, t),
         )

@@ -59,6 +59,7 @@ class QueueKeys:
     epoch: str
     control: str
     starts: str
+    lags: str
     budget_prefix: str
     budget_log_prefix: str
     reservation_prefix: str
@@ -93,6 +94,7 @@ class QueueKeys:
             epoch=base + "epoch",
             control=base + "control",
             starts=base + "starts",
+            lags=base + "lags",
             budget_prefix=base + "budget:",
             budget_log_prefix=base + "blog:",
             reservation_prefix=base + "resv:",

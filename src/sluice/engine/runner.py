@@ -37,12 +37,14 @@ from redis.exceptions import MovedError, NoScriptError, RedisError
 
 from sluice.engine import tracehooks
 from sluice.engine.backoff import Backoff
+from sluice.engine.budgets import TOKEN_RATE_BUDGET
 from sluice.engine.clock import now_ms, script_now
 from sluice.engine.codec import decode, encode
 from sluice.engine.connection import MAX_BLOCK, REROUTE_ERRORS, blocking_client, server_for
 from sluice.engine.context import JobContext, set_current_job
 from sluice.engine.eviction import warn_if_evicting
 from sluice.engine.job import valid_trace_context
+from sluice.engine.lag import REPORT_TTL_MS, SOON_INTERVAL_S, LagMeter
 from sluice.engine.protocol import LEASED_FIELDS, StepReply
 from sluice.engine.sketch import FLUSH_INTERVAL, LatencyRecorder
 from sluice.engine.transport import describe, server_url
@@ -236,6 +238,8 @@ class Runner:
         self._pool: ThreadPoolExecutor | None = None
         #: latency bins of finished attempts, flushed about once a second (engine/sketch.py)
         self.latency = LatencyRecorder(queue.keys, queue.scripts)
+        #: dispatch-to-send delays of this worker's calls, reported for the pacer's headroom
+        self.lag = LagMeter()
         #: (job id, token) of each running attempt -> [dispatch, created, runnable since] (ms,
         #: Redis's clock; runnable since: the job's due time, else its creation)
         self._timing: dict[tuple[str, Any], list[int]] = {}
@@ -305,6 +309,7 @@ class Runner:
             asyncio.create_task(self._renew_loop(), name="sluice-renewer"),
             asyncio.create_task(self._reap_loop(), name="sluice-reaper"),
             asyncio.create_task(self._latency_loop(), name="sluice-latency"),
+            asyncio.create_task(self._lag_loop(), name="sluice-lag"),
         ]
         log.info(
             "worker %s serving queue %s at %s (%d at once; handlers: %s)",
@@ -368,6 +373,8 @@ class Runner:
                     await self.latency.flush()
             with contextlib.suppress(Exception):
                 await self._heartbeat(leaving=True)
+            with contextlib.suppress(Exception):
+                await self._report_lag(None)
             log.info("worker %s stopped", self.wid, extra={"worker_id": self.wid})
 
     # ---- the pump ----------------------------------------------------------------------
@@ -523,6 +530,8 @@ class Runner:
         # next_due is on Redis's clock: kept as this host's time, through the reply's now.
         self.next_due = now_ms() + reply.next_due - reply.now if reply.next_due >= 0 else -1
         jobs = reply.jobs
+        if jobs:
+            self.lag.reply(reply.now)
         if call.want > 0 and len(jobs) // LEASED_FIELDS >= call.want:
             self.more = True  # a full batch: there may be more waiting
         if call.tries or late:
@@ -534,7 +543,7 @@ class Runner:
             if self.stopping:  # leased while stopping (a call sent again): back to waiting
                 self.done.append((f[0].decode(), f[1], b"r", b"", 0, 0))
                 self.kick.set()
-            elif self._start(f):
+            elif self._start(f, reply.now):
                 self._timing[(f[0].decode(), f[1])] = [reply.now, *_runnable_since(f), _priority(f)]
 
     def _record_latency(self, outcomes: list[Outcome], codes: list[int], now: int) -> None:
@@ -570,6 +579,28 @@ class Runner:
                     extra={"worker_id": self.wid, "error": describe(exc)},
                 )
 
+    async def _lag_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(SOON_INTERVAL_S)
+            report = self.lag.report_due()
+            if report is None:
+                continue
+            try:
+                await self._report_lag(report)
+            except _TRANSIENT as exc:
+                _reraise_if_cancelled()
+                # The next report says it again; until then the last one holds.
+                log.debug("worker %s: lag report not sent: %s", self.wid, describe(exc))
+
+    async def _report_lag(self, report: tuple[float, float] | None) -> None:
+        """Report (lowest, highest) dispatch-to-send delay (ms), or withdraw with None."""
+        k = self.keys
+        lo, hi = report if report is not None else (0.0, 0.0)
+        await self.queue.scripts.lag(
+            keys=[k.control, k.lags, k.budget_prefix + TOKEN_RATE_BUDGET],
+            args=[script_now(None), self.wid, f"{lo:.3f}", f"{hi:.3f}", REPORT_TTL_MS, int(report is None)],
+        )
+
     async def _still_leased(self, jobs: list[Any]) -> list[Any]:
         """The leased jobs whose leases are still this worker's, each renewed."""
         groups = [jobs[i : i + LEASED_FIELDS] for i in range(0, len(jobs), LEASED_FIELDS)]
@@ -595,8 +626,9 @@ class Runner:
                 )
         return kept
 
-    def _start(self, f: list[Any]) -> bool:
-        """Start a leased job's handler; False if its record was unreadable (dead-lettered)."""
+    def _start(self, f: list[Any], dispatched_ms: int = 0) -> bool:
+        """Start a leased job's handler; False if its record was unreadable (dead-lettered).
+        ``dispatched_ms``: the leasing call's now (Redis's clock)."""
         job_id = f[0].decode()
         try:
             name = f[2].decode()
@@ -617,6 +649,8 @@ class Runner:
                 budget=f[10].decode() or None,
                 correlation_id=f[11].decode() or None,
                 trace_context=valid_trace_context(f[13].decode(errors="replace")) if f[13] else None,
+                dispatched_ms=dispatched_ms,
+                lag=self.lag,
             )
         except (ValueError, TypeError, AttributeError) as exc:
             # A record this version cannot read: dead-letter it with the reason
@@ -654,6 +688,8 @@ class Runner:
     async def _execute(self, job: _Running, handler: Handler | None) -> None:
         ctx = job.ctx
         set_current_job(ctx)  # this task's own context: the job's log lines carry it
+        if ctx.dispatched_ms:
+            self.lag.started(ctx.dispatched_ms)
         timer = None
         if job.timeout is not None:
             timer = asyncio.get_running_loop().call_later(job.timeout, self._time_out, job)

@@ -47,6 +47,7 @@ COMMANDS = (
     "now",
     "latency",
     "pace",
+    "lag",
 )
 
 
@@ -121,3 +122,4 @@ class Scripts:
         self.now: AsyncScript = redis.register_script(source("now"))
         self.latency: AsyncScript = redis.register_script(source("latency"))
         self.pace: AsyncScript = redis.register_script(source("pace"))
+        self.lag: AsyncScript = redis.register_script(source("lag"))

@@ -159,7 +159,7 @@ class GeminiProvider(HTTPProvider):
             if dimensions is not None:
                 for request in requests:
                     request["outputDimensionality"] = dimensions
-            data, _ = await self.post(path, {"requests": requests}, model=model)
+            data, _ = await self.post(path, {"requests": requests}, model=model, paced=False)
             embeddings = data.get("embeddings")
             if not isinstance(embeddings, list) or len(embeddings) != len(batch):
                 raise self.unexpected(path, f"it does not hold {len(batch)} 'embeddings'")

@@ -29,6 +29,7 @@ from typing import Any, Self
 
 import httpx
 
+from sluice.engine.context import current_job
 from sluice.errors import ConfigurationError
 from sluice.llm import pricing
 from sluice.llm.provider import (
@@ -45,10 +46,12 @@ DEFAULT_MAX_CONNECTIONS = 100
 #: Seconds to pause when a 429 says nothing usable about when to come back (nothing, or only a
 #: wait of zero or in the past).
 FALLBACK_RETRY_AFTER = 1.0
-#: The shortest pause a 429 gets, whatever it says. A throttled job goes back to waiting
-#: uncounted, so a provider that keeps saying "retry in 0 ms" (or a reset our skewed clock has
-#: already passed) would otherwise have every worker resend at once, forever.
-MIN_RETRY_AFTER = 0.5
+#: The shortest pause a 429 gets, whatever it says. A wait of zero or in the past is not
+#: believed (FALLBACK_RETRY_AFTER); a real one of a few ms is, within this floor: the queue
+#: pauses that long, then its pacers run slower for a while (docs/architecture.md, "The
+#: pacer"), so a provider that keeps saying "retry in 1 ms" costs a few calls, not a storm.
+#: (It was 0.5 s, which cost a paced queue about half a second of its limit per 429.)
+MIN_RETRY_AFTER = 0.05
 #: The longest pause one 429 gets: the whole queue stops for it, so one absurd header
 #: (``retry-after: 1e12``) must not stop it for days. A limit still exhausted after this many
 #: seconds costs one more cheap 429 and another pause.
@@ -575,12 +578,22 @@ class HTTPProvider:
         return f"{type(self).__name__}(name={self.name!r}, base_url={self.base_url!r}, key={key})"
 
     async def post(
-        self, path: str, body: Mapping[str, Any], *, headers: Mapping[str, str] | None = None, model: str
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        headers: Mapping[str, str] | None = None,
+        model: str,
+        paced: bool = True,
     ) -> tuple[dict[str, Any], RateLimits]:
         """POST ``body`` as JSON to ``path``; the answer's JSON object and rate limits, or one of
-        the three provider errors."""
+        the three provider errors. ``paced``: the call a job was dispatched for (a completion, not
+        an embedding on the way): the running job notes it leaving (JobContext.note_sent)."""
         secrets = [self._key] if self._key is not None else []
         request = self._client.build_request("POST", path, json=body, headers=headers)
+        job = current_job() if paced else None
+        if job is not None:
+            job.note_sent()  # the pacer's measured headroom (engine/lag.py)
         try:
             response = await self._client.send(request)
         except httpx.HTTPError as exc:

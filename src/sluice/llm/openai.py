@@ -189,7 +189,7 @@ class OpenAIProvider(HTTPProvider):
             body: dict[str, Any] = {"model": model, "input": batch}
             if dimensions is not None:
                 body["dimensions"] = dimensions
-            data, _ = await self.post(path, body, model=model)
+            data, _ = await self.post(path, body, model=model, paced=False)
             items = data.get("data")
             if not isinstance(items, list) or len(items) != len(batch):
                 raise self.unexpected(path, f"it does not hold {len(batch)} embeddings in 'data'")

@@ -26,7 +26,8 @@
 --   concurrency, rate, token_rate, budget).
 --   The request-rate and token-rate limits each have two parts: the exact log
 --   (the starts zset; the '#tpm' rolling budget), counted over W + h (the
---   headroom, control 'headroom_ms', 30 unless set), is the hard cap; a pacer (a GCRA with
+--   headroom: the larger of control 'headroom_ms', 5 unless set, and the
+--   workers' measured 'lag_h'), is the hard cap; a pacer (a GCRA with
 --   tolerance tau, control 'tolerance_ms', 'off' for none) spaces the starts
 --   (W + h) / N apart, per request or per token. A job starts only when the
 --   pacer's theoretical arrival time (control 'tat_req', 'tat_tok': us) is at
@@ -157,19 +158,53 @@ end
 -- The pacer's tolerance when none is set (ms): a worker that comes a little
 -- late takes the starts it owes at once instead of losing them.
 local PACE_TOLERANCE_MS = 20
--- The headroom when none is set (ms): what two worker processes on one
--- machine needed (docs/architecture.md, "The pacer").
-local PACE_HEADROOM_MS = 30
+-- The least headroom when none is set (ms): the workers' measured spread of
+-- dispatch-to-send delays (control 'lag_h', see lag.lua) is used when larger
+-- (docs/architecture.md, "The pacer").
+local PACE_HEADROOM_MS = 5
+-- The most the measured headroom may be (lag.lua's LAG_MAX_MS).
+local LAG_KEEP_MS = 500
+
+-- After a provider's 429 the pacers run slower for a while: their rate times
+-- a factor in per mille (control 'slow_pm', set at 'slow_at') that climbs
+-- back to 1000 over SLOW_RECOVER windows of the longest limit. Each 429 takes
+-- SLOW_STEP of what the factor is then, down to SLOW_FLOOR, but only one per
+-- SLOW_QUIET_MS: the calls refused in one burst are one mistake, not several.
+local SLOW_STEP, SLOW_FLOOR, SLOW_RECOVER, SLOW_QUIET_MS = 900, 500, 2, 250
+
+local function slow_recover_ms(rate_ms, tpm_ms)
+  return SLOW_RECOVER * math.max(tonumber(rate_ms) or 0, tonumber(tpm_ms) or 0, 1000)
+end
+
+-- The factor now (per mille, an integer): 1000 unless a 429 slowed the pacers lately.
+local function slow_now(pm, at, recover_ms, now)
+  pm, at = tonumber(pm), tonumber(at)
+  if not pm or not at or now - at >= recover_ms then return 1000 end
+  return math.floor(pm + (1000 - pm) * math.max(now - at, 0) / recover_ms)
+end
+
+-- A provider refused a call (a 429): the pacers slow down (see slow_now).
+local function slow_down(K, now)
+  local f = redis.call('HMGET', K.control, 'slow_pm', 'slow_at', 'rate_ms', 'tpm_ms')
+  local at = tonumber(f[2])
+  if at and now - at < SLOW_QUIET_MS and now >= at then return end
+  local pm = slow_now(f[1], f[2], slow_recover_ms(f[3], f[4]), now)
+  redis.call('HSET', K.control, 'slow_pm', math.max(SLOW_FLOOR, math.floor(pm * SLOW_STEP / 1000)),
+             'slow_at', now)
+end
 
 local function load_gates(K, now)
   local f = redis.call('HMGET', K.control, 'paused', 'throttled_until', 'concurrency', 'rate_max',
-                       'rate_ms', 'tpm', 'tolerance_ms', 'headroom_ms', 'tat_req', 'tat_tok')
+                       'rate_ms', 'tpm', 'tolerance_ms', 'headroom_ms', 'tat_req', 'tat_tok', 'lag_h',
+                       'slow_pm', 'slow_at', 'tpm_ms')
   local G = {paused = f[1] == '1', until_ms = tonumber(f[2]) or 0, conc = tonumber(f[3]),
              rate_max = tonumber(f[4]), rate_ms = tonumber(f[5]) or 0, tpm = nil, cache = {},
-             refused = {}, headroom = tonumber(f[8]) or PACE_HEADROOM_MS, paced = false,
+             refused = {}, paced = false,
+             headroom = math.max(tonumber(f[8]) or PACE_HEADROOM_MS, tonumber(f[11]) or 0),
              -- The pacers' theoretical arrival times, in microseconds of the clock.
              now_us = now * 1000, tat_req = tonumber(f[9]) or 0, tat_tok = tonumber(f[10]) or 0}
   G.pace = f[7] ~= 'off'
+  G.slow = slow_now(f[12], f[13], slow_recover_ms(f[5], f[14]), now)
   G.tau_us = (tonumber(f[7]) or PACE_TOLERANCE_MS) * 1000
   if G.conc then G.active = redis.call('ZCARD', K.active) end
   if G.rate_max then
@@ -179,11 +214,14 @@ local function load_gates(K, now)
     -- have just left the window; they are removed at most LOG_PRUNE_MAX per call.
     local cutoff = now - G.rate_win
     G.starts = redis.call('ZCOUNT', K.starts, '(' .. cutoff, '+inf')
+    -- Kept LAG_KEEP_MS longer than counted: a measured headroom that grows
+    -- counts the starts it reaches back to.
+    local prune = cutoff - LAG_KEEP_MS
     local old = redis.call('ZRANGE', K.starts, LOG_PRUNE_MAX - 1, LOG_PRUNE_MAX - 1, 'WITHSCORES')
-    if #old > 0 and tonumber(old[2]) <= cutoff then
+    if #old > 0 and tonumber(old[2]) <= prune then
       redis.call('ZREMRANGEBYRANK', K.starts, 0, LOG_PRUNE_MAX - 1)
     else
-      redis.call('ZREMRANGEBYSCORE', K.starts, '-inf', cutoff)
+      redis.call('ZREMRANGEBYSCORE', K.starts, '-inf', prune)
     end
   end
   if f[6] == '1' then G.tpm = load_budget(K, '#tpm', now) end
@@ -198,8 +236,12 @@ local function pace_wait(G, tat)
 end
 
 -- The pacer's next theoretical arrival time after a start of `cost` units, each
--- (win_ms / limit) ms apart: whole microseconds, rounded up.
+-- (win_ms / limit) ms apart (slower after a 429: G.slow), in whole microseconds,
+-- rounded up.
 local function pace_next(G, tat, cost, win_ms, limit)
+  if G.slow < 1000 then
+    return math.max(tat, G.now_us) + math.ceil(cost * win_ms * 1000 * 1000 / (limit * G.slow))
+  end
   return math.max(tat, G.now_us) + math.ceil(cost * win_ms * 1000 / limit)
 end
 

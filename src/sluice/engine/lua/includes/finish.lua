@@ -27,6 +27,7 @@
 
 -- @include ledger
 -- @include retention
+-- @include dispatch
 
 -- What the handler reported is charged, whatever the outcome: the provider
 -- billed it (a throttle that reports usage was served, then asked to slow
@@ -107,6 +108,7 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C
     local until_ms = now + retry_after
     local cur_until = tonumber(redis.call('HGET', K.control, 'throttled_until')) or 0
     if until_ms > cur_until then redis.call('HSET', K.control, 'throttled_until', until_ms) end
+    slow_down(K, now)
     C.throttled = C.throttled + 1
     emit(K.events, K.maxlen, 'throttled', id, 'retry_after_ms', retry_after)
     return 6

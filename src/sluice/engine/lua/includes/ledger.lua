@@ -261,22 +261,29 @@ local function settle(K, rid, how, actual, now, keep_ms)
   local d = target - amt
   local freed = false
   local crossed = {}
+  -- The token-rate window counts what the provider's limiter counted when the call
+  -- arrived (prompt + max_tokens, for OpenAI's): usage below the estimate does not
+  -- give it back, unless the queue says its provider refunds (control 'tpm_refund').
+  local tpm_keeps = how == 'commit' and d < 0 and K.control ~= nil
+                    and redis.call('HGET', K.control, 'tpm_refund') ~= '1'
   for i = 1, #levels do
     local b = levels[i]
-    local was = b.used
-    b.used = math.max(b.used + d, 0)
-    redis.call('HSET', b.key, 'used', b.used)
-    if b.win == 'roll' and d ~= 0 then
-      local lk = K.logp .. b.name
-      local at = redis.call('ZSCORE', lk, amt .. ' ' .. rid)
-      redis.call('ZREM', lk, amt .. ' ' .. rid)
-      redis.call('ZADD', lk, at, (amt + d) .. ' ' .. rid)
+    if not (tpm_keeps and b.name == '#tpm') then
+      local was = b.used
+      b.used = math.max(b.used + d, 0)
+      redis.call('HSET', b.key, 'used', b.used)
+      if b.win == 'roll' and d ~= 0 then
+        local lk = K.logp .. b.name
+        local at = redis.call('ZSCORE', lk, amt .. ' ' .. rid)
+        redis.call('ZREM', lk, amt .. ' ' .. rid)
+        redis.call('ZADD', lk, at, (amt + d) .. ' ' .. rid)
+      end
+      if d > 0 and b.name ~= '#tpm' then
+        redis.call('HINCRBY', b.key, 'beyond', d)
+        if was <= b.limit and b.used > b.limit then crossed[#crossed + 1] = b end
+      end
+      if d < 0 and room_freed(K, b, now) then freed = true end
     end
-    if d > 0 and b.name ~= '#tpm' then
-      redis.call('HINCRBY', b.key, 'beyond', d)
-      if was <= b.limit and b.used > b.limit then crossed[#crossed + 1] = b end
-    end
-    if d < 0 and room_freed(K, b, now) then freed = true end
   end
   if d > 0 then redis.call('HSET', rk, 'beyond', d) end
   local state = 'committed'
