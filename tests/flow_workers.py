@@ -63,6 +63,11 @@ def make_worker(redis_url: str, prefix: str, *, lease: float = 5.0) -> Worker:
         return job.worker_id
 
     @worker.handler
+    async def says_limits(job: JobContext) -> None:
+        """Passes on ``payload`` as what a provider's answer said of its limits."""
+        job.note_provider_limits(**(job.payload or {}))
+
+    @worker.handler
     async def sends(job: JobContext) -> None:
         """Waits ``payload["before"]`` seconds, then says its call is leaving (note_sent)."""
         await asyncio.sleep(float((job.payload or {}).get("before", 0.0)))

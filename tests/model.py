@@ -1150,6 +1150,9 @@ class Model:
             "headroom_ms": c.headroom,
             "measured_headroom_ms": 0,  # no worker of the model reports its delays
             "pace_factor_pm": slow_now(c, now),
+            "follows_provider": True,  # (the model's workers report no provider's figures)
+            "unseen_requests": 0,
+            "unseen_tokens": 0,
         }
 
     # ---- the ledger ----------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 
 from sluice.engine.job import MAX_TOKENS
 from sluice.engine.lag import LagMeter
+from sluice.engine.provider_view import ProviderView
 
 #: The attempt running in this task (or in the thread of a sync handler): set by the worker
 #: before the handler starts, in the job's own task, so that it never leaks to another job.
@@ -86,6 +87,7 @@ class JobContext:
         "name",
         "payload",
         "prefix",
+        "provider_view",
         "queue",
         "sent_noted",
         "stop_requested",
@@ -116,6 +118,7 @@ class JobContext:
         trace_context: str | None = None,
         dispatched_ms: int = 0,
         lag: LagMeter | None = None,
+        provider_view: ProviderView | None = None,
     ) -> None:
         self.queue = queue
         self.id = job_id
@@ -147,6 +150,8 @@ class JobContext:
         #: the worker's meter of dispatch-to-send delays (None outside a worker)
         self.lag = lag
         self.sent_noted = False
+        #: where the worker gathers what providers said of their limits (None outside a worker)
+        self.provider_view = provider_view
 
     def note_sent(self) -> None:
         """Say that the call this job was dispatched for is leaving now.
@@ -164,6 +169,33 @@ class JobContext:
             return
         self.sent_noted = True
         self.lag.sent(self.dispatched_ms)
+
+    def note_provider_limits(
+        self,
+        *,
+        limit_requests: int | None = None,
+        remaining_requests: int | None = None,
+        limit_tokens: int | None = None,
+        remaining_tokens: int | None = None,
+    ) -> None:
+        """Pass on what the provider's answer said of its limits (its rate-limit headers).
+
+        Sluice's providers call it for every completion. The queue compares the
+        provider's use (limit - remaining) with its own windows at this job's
+        dispatch and counts what it did not see (another program on the same
+        key), and lowers a limit the provider states lower than the queue's
+        (docs/architecture.md, "The provider's view"; ``Queue.follow_provider``
+        turns it off). Figures the answer did not give are None.
+        """
+        if self.provider_view is None or not self.dispatched_ms:
+            return
+        self.provider_view.add(
+            self.dispatched_ms,
+            limit_requests=limit_requests,
+            remaining_requests=remaining_requests,
+            limit_tokens=limit_tokens,
+            remaining_tokens=remaining_tokens,
+        )
 
     def record_usage(self, tokens: int) -> None:
         """Report the tokens this attempt actually used (e.g. the provider's usage.total_tokens).

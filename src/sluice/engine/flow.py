@@ -61,6 +61,12 @@ class FlowState:
     #: provider's 429 (each takes it to 90 % of what it is, down to 50 %; it climbs back over
     #: two of the longest limit window)
     pace_factor_pm: int = 1000
+    #: Whether the limits follow what providers' answers say of theirs (Queue.follow_provider)
+    follows_provider: bool = True
+    #: Requests and tokens the provider counted that the queue had not started (another
+    #: program on the key), added to its windows since the queue was made
+    unseen_requests: int = 0
+    unseen_tokens: int = 0
 
     @property
     def effective_headroom_ms(self) -> int:
@@ -209,6 +215,25 @@ class FlowControl:
         headroom = _pacing_ms("headroom_ms", headroom_ms)
         await self.scripts.pace(keys=self._pace_keys(), args=["pacing", tolerance, headroom])
 
+    @writes
+    async def follow_provider(self, enabled: bool = True) -> None:
+        """Whether the limits follow what providers' answers say of theirs (on by default).
+
+        Each completion's rate-limit headers (limit and remaining, for requests
+        and tokens) reach the queue: use the provider counted that the queue did
+        not start (another program on the same key) is added to its windows,
+        and a limit the provider states lower than the queue's lowers the
+        queue's (docs/architecture.md, "The provider's view"). Turn it off for a
+        queue that spreads its calls over several keys, whose answers each
+        speak for one key only.
+        """
+        if not isinstance(enabled, bool):
+            raise ConfigurationError(f"enabled must be True or False, got {enabled!r}")
+        if enabled:
+            await self.redis.hdel(self.keys.control, "follow")
+        else:
+            await self.redis.hset(self.keys.control, "follow", 0)
+
     def _pace_keys(self) -> list[str]:
         k = self.keys
         return [k.control, k.budget_prefix + TOKEN_RATE_BUDGET, k.wake]
@@ -278,4 +303,7 @@ class FlowControl:
             headroom_ms=least,
             measured_headroom_ms=measured,
             pace_factor_pm=pace_factor(c, t),
+            follows_provider=c.get("follow") != "0",
+            unseen_requests=int(c.get("unseen_requests", 0)),
+            unseen_tokens=int(c.get("unseen_tokens", 0)),
         )

@@ -46,6 +46,7 @@ from sluice.engine.eviction import warn_if_evicting
 from sluice.engine.job import valid_trace_context
 from sluice.engine.lag import REPORT_TTL_MS, SOON_INTERVAL_S, LagMeter
 from sluice.engine.protocol import LEASED_FIELDS, StepReply
+from sluice.engine.provider_view import ProviderView
 from sluice.engine.sketch import FLUSH_INTERVAL, LatencyRecorder
 from sluice.engine.transport import describe, server_url
 from sluice.engine.watchdog import SyncDispatch, Watchdog
@@ -240,6 +241,8 @@ class Runner:
         self.latency = LatencyRecorder(queue.keys, queue.scripts)
         #: dispatch-to-send delays of this worker's calls, reported for the pacer's headroom
         self.lag = LagMeter()
+        #: what providers' answers said of their limits, for the queue's gates
+        self.provider_view = ProviderView()
         #: (job id, token) of each running attempt -> [dispatch, created, runnable since] (ms,
         #: Redis's clock; runnable since: the job's due time, else its creation)
         self._timing: dict[tuple[str, Any], list[int]] = {}
@@ -580,17 +583,23 @@ class Runner:
                 )
 
     async def _lag_loop(self) -> None:
+        """Report the dispatch-to-send delays (engine/lag.py) and what providers said of their
+        limits (engine/provider_view.py), each when there is something to say."""
         while not self._closing:
             await asyncio.sleep(SOON_INTERVAL_S)
             report = self.lag.report_due()
-            if report is None:
-                continue
+            seen = self.provider_view.take()
             try:
-                await self._report_lag(report)
+                if report is not None:
+                    await self._report_lag(report)
+                if seen:
+                    await self.queue.scripts.observe(
+                        keys=self.keys.flow, args=[script_now(None), *(a for r in seen for a in r.args())]
+                    )
             except _TRANSIENT as exc:
                 _reraise_if_cancelled()
                 # The next report says it again; until then the last one holds.
-                log.debug("worker %s: lag report not sent: %s", self.wid, describe(exc))
+                log.debug("worker %s: lag or limits report not sent: %s", self.wid, describe(exc))
 
     async def _report_lag(self, report: tuple[float, float] | None) -> None:
         """Report (lowest, highest) dispatch-to-send delay (ms), or withdraw with None."""
@@ -651,6 +660,7 @@ class Runner:
                 trace_context=valid_trace_context(f[13].decode(errors="replace")) if f[13] else None,
                 dispatched_ms=dispatched_ms,
                 lag=self.lag,
+                provider_view=self.provider_view,
             )
         except (ValueError, TypeError, AttributeError) as exc:
             # A record this version cannot read: dead-letter it with the reason

@@ -48,6 +48,7 @@ COMMANDS = (
     "latency",
     "pace",
     "lag",
+    "observe",
 )
 
 
@@ -123,3 +124,4 @@ class Scripts:
         self.latency: AsyncScript = redis.register_script(source("latency"))
         self.pace: AsyncScript = redis.register_script(source("pace"))
         self.lag: AsyncScript = redis.register_script(source("lag"))
+        self.observe: AsyncScript = redis.register_script(source("observe"))

@@ -608,7 +608,15 @@ class HTTPProvider:
             data = None
         if not isinstance(data, dict):
             raise self.unexpected(path, "the body is not a JSON object")
-        return data, rate_limits(response.headers)
+        limits = rate_limits(response.headers)
+        if job is not None:
+            job.note_provider_limits(
+                limit_requests=limits.limit_requests,
+                remaining_requests=limits.remaining_requests,
+                limit_tokens=limits.limit_tokens,
+                remaining_tokens=limits.remaining_tokens,
+            )
+        return data, limits
 
     def unexpected(self, path: str, what: str) -> ProviderUnavailable:
         """A success answer we cannot read (a proxy's page, an incompatible server): retried."""

@@ -1,0 +1,139 @@
+"""The provider's view wins: what answers say of the provider's limits reaches the queue's gates.
+
+The script (observe.lua) step by step: use the provider counted that the queue did not start is
+added to its windows at the dispatch time and leaves with them; a lower stated limit lowers the
+queue's; nothing when following is off. Then the way there: a real worker process passing on
+its handlers' reports, and Sluice's OpenAI provider reading the simulated provider's headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from sluice import ConfigurationError, JobContext, JobSpec, Queue
+from sluice.engine.provider_view import MAX_BATCH, LimitReport, ProviderView
+from sluice.llm.openai import OpenAIProvider
+from sluice.testing.provider import ProviderLimits, serve_provider
+from tests.proc_harness import WorkerProcs
+from tests.stepping import ids_of as ids
+from tests.stepping import step
+from tests.test_flow import FLOW_TARGET
+
+#: A fixed clock for the tests that pass ``now`` (Unix ms).
+T = 1_800_000_000_000
+
+
+async def observe(queue: Queue, now: int, *reports: LimitReport) -> list[int]:
+    args = [a for r in reports for a in r.args()]
+    return [int(v) for v in await queue.scripts.observe(keys=queue.keys.flow, args=[now, *args])]
+
+
+async def test_requests_the_provider_counted_beyond_the_queue_fill_its_window(queue: Queue) -> None:
+    # Given 10 starts a second (no pacer, no headroom) and two calls started at T
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
+    await queue.set_rate_limit(10, per=1)
+    await queue.add_bulk(JobSpec("x") for _ in range(12))
+    assert len(ids(await step(queue, T, want=2))) == 2
+
+    # When an answer says 3 requests remain of 10 when the first arrived (7 used: 5 the
+    # queue did not start, e.g. another program on the key)
+    assert await observe(queue, T + 150, LimitReport(T, 10, 3)) == [5, 0, 0]
+
+    # Then the window counts them from T, and only 3 more start before it turns
+    flow = await queue.flow(now=T + 150)
+    assert (flow.starts_in_window, flow.unseen_requests) == (7, 5)
+    reply = await step(queue, T + 151)
+    assert (len(ids(reply)), reply.next_due) == (3, T + 1000)
+    # A second answer from the same moment saying the same adds nothing: the window saw it
+    assert await observe(queue, T + 160, LimitReport(T, 10, 3)) == [0, 0, 0]
+    # and they leave with the window
+    assert len(ids(await step(queue, T + 1000))) == 7
+
+
+async def test_a_lower_limit_stated_by_the_provider_lowers_the_queues(queue: Queue) -> None:
+    await queue.set_rate_limit(10, per=1)
+    await queue.set_token_rate_limit(50_000, per=60)
+    assert await observe(queue, T, LimitReport(T, limit_requests=6, limit_tokens=40_000)) == [0, 0, 2]
+    flow = await queue.flow(now=T)
+    assert (flow.rate_max, flow.token_limit) == (6, 40_000)
+    # a higher one changes nothing: the queue may be meant to use part of the key
+    assert await observe(queue, T, LimitReport(T, limit_requests=600, limit_tokens=90_000)) == [0, 0, 0]
+    assert (await queue.flow(now=T)).rate_max == 6
+
+
+async def test_tokens_the_provider_counted_beyond_the_queue_fill_its_token_window(queue: Queue) -> None:
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
+    await queue.set_token_rate_limit(1000, per=1)
+    await queue.add_bulk(JobSpec("llm", tokens=100) for _ in range(3))
+    assert len(ids(await step(queue, T, want=1))) == 1
+    # the provider counted 400 when the call arrived: 300 the queue did not start
+    assert await observe(queue, T + 100, LimitReport(T, limit_tokens=1000, remaining_tokens=600)) == [0, 300, 0]
+    flow = await queue.flow(now=T + 100)
+    assert (flow.tokens_in_window, flow.unseen_tokens) == (400, 300)
+    assert (await queue.flow(now=T + 1000)).tokens_in_window == 0  # they left with the window
+
+
+async def test_nothing_follows_the_provider_when_turned_off(queue: Queue) -> None:
+    await queue.set_rate_limit(10, per=1)
+    await queue.follow_provider(False)
+    assert (await queue.flow(now=T)).follows_provider is False
+    assert await observe(queue, T, LimitReport(T, 5, 0)) == [0, 0, 0]
+    assert (await queue.flow(now=T)).rate_max == 10
+    await queue.follow_provider(True)
+    assert (await queue.flow(now=T)).follows_provider is True
+    with pytest.raises(ConfigurationError, match="enabled must be True or False"):
+        await queue.follow_provider("no")  # type: ignore[arg-type]
+
+
+def test_the_view_keeps_the_latest_reports_and_refuses_what_is_not_a_count() -> None:
+    view = ProviderView()
+    view.add(T)  # said nothing: not kept
+    for i in range(MAX_BATCH + 5):
+        view.add(T + i, remaining_requests=i)
+    taken = view.take()
+    assert [r.remaining_requests for r in taken] == list(range(5, MAX_BATCH + 5))
+    assert view.take() == []
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="remaining_tokens must be an integer >= 0"):
+            view.add(T, remaining_tokens=bad)  # type: ignore[arg-type]
+
+
+# ---- the way there ---------------------------------------------------------------------------------------
+async def test_a_worker_process_passes_its_handlers_reports_to_the_queue(
+    redis: Redis, queue: Queue, redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    # Given a queue of 10 starts a minute whose provider says, in every answer, that 2 of its
+    # 10 remain: 8 used, most of them by someone else
+    await queue.set_rate_limit(10, per=60)
+    with WorkerProcs(redis_url, prefix, tmp_path) as procs:
+        procs.launch("w1", FLOW_TARGET, "--concurrency", "2")
+        first = await queue.add("says_limits", {"limit_requests": 10, "remaining_requests": 2})
+        await first.result(timeout=30)
+        # Then within a report interval the queue's window holds the 7 it did not start
+        deadline = time.monotonic() + 10
+        while (flow := await queue.flow()).unseen_requests == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert (flow.unseen_requests, flow.starts_in_window) == (7, 8)
+
+
+async def test_the_openai_provider_passes_on_the_answers_rate_limit_headers() -> None:
+    view = ProviderView()
+    job = JobContext("q", "1", "x", None, 1, 1, 0, "w", 1, dispatched_ms=T, provider_view=view)
+    from sluice.engine.context import set_current_job
+
+    with serve_provider(ProviderLimits(requests=50, tokens=10_000, window=60)) as url:
+        provider = OpenAIProvider(base_url=f"{url}/v1", api_key_env=None, name="simulated")
+        try:
+            set_current_job(job)
+            await provider.complete([{"role": "user", "content": "abcd" * 10}], model="m", max_tokens=20)
+        finally:
+            set_current_job(None)
+            await provider.aclose()
+    (report,) = view.take()
+    # 10 prompt tokens (40 characters) + 20 to write, as the provider counts them
+    assert report == LimitReport(T, 50, 49, 10_000, 10_000 - 30)
