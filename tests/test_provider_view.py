@@ -72,7 +72,8 @@ async def test_tokens_the_provider_counted_beyond_the_queue_fill_its_token_windo
     await queue.add_bulk(JobSpec("llm", tokens=100) for _ in range(3))
     assert len(ids(await step(queue, T, want=1))) == 1
     # the provider counted 400 when the call arrived: 300 the queue did not start
-    assert await observe(queue, T + 100, LimitReport(T, limit_tokens=1000, remaining_tokens=600)) == [0, 300, 0]
+    said = LimitReport(T, limit_tokens=1000, remaining_tokens=600)
+    assert await observe(queue, T + 100, said) == [0, 300, 0]
     flow = await queue.flow(now=T + 100)
     assert (flow.tokens_in_window, flow.unseen_tokens) == (400, 300)
     assert (await queue.flow(now=T + 1000)).tokens_in_window == 0  # they left with the window
@@ -116,8 +117,10 @@ async def test_a_worker_process_passes_its_handlers_reports_to_the_queue(
         await first.result(timeout=30)
         # Then within a report interval the queue's window holds the 7 it did not start
         deadline = time.monotonic() + 10
-        while (flow := await queue.flow()).unseen_requests == 0 and time.monotonic() < deadline:
+        flow = await queue.flow()
+        while flow.unseen_requests == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+            flow = await queue.flow()
         assert (flow.unseen_requests, flow.starts_in_window) == (7, 8)
 
 
