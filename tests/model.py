@@ -139,8 +139,9 @@ TOKEN_RATE = "#tpm"  # noqa: S105 - a key name, not a secret
 PACE_TOLERANCE_MS = 20
 #: The least headroom when none is set (ms).
 PACE_HEADROOM_MS = 5
-#: How much longer than counted the request-rate log keeps its starts (ms): dispatch.lua's
-#: LAG_KEEP_MS, so that a measured headroom that grows counts the starts it reaches back to.
+#: How much longer than counted the request-rate log keeps its starts, beyond one more window
+#: (ms): dispatch.lua's LAG_KEEP_MS (a measured headroom that grows counts the starts it reaches
+#: back to; observe.lua compares answers with the log as it was at their dispatch).
 LAG_KEEP_MS = 500
 #: Budgets may be nested at most this deep (a hierarchy of 8 levels).
 MAX_LEVELS = 8
@@ -181,9 +182,9 @@ def pace_next(tat: int | None, now: int, cost: int, win_ms: int, limit: int, slo
     return max(tat or 0, now * 1000) + math.ceil(float(cost) * float(win_ms) * 1000.0 / float(limit))
 
 
-#: After a 429: each takes the pacers' factor to 900 per mille of what it is, down to 500, at
+#: After a 429: each takes the pacers' factor to 950 per mille of what it is, down to 500, at
 #: most once per 250 ms; it climbs back over 2 of the longest window (at least 1 s).
-SLOW_STEP, SLOW_FLOOR, SLOW_RECOVER, SLOW_QUIET_MS = 900, 500, 2, 250
+SLOW_STEP, SLOW_FLOOR, SLOW_RECOVER, SLOW_QUIET_MS = 950, 500, 2, 250
 
 
 def slow_now(c: Control, now: int) -> int:
@@ -679,7 +680,8 @@ class Model:
         self.slow = slow_now(c, now)
         if c.rate_max is not None:  # the request-rate log keeps the starts of the last rate_ms + headroom
             window = (c.rate_ms or 0) + c.headroom  # (and LAG_KEEP_MS more, not counted)
-            self.starts = {m: at for m, at in self.starts.items() if at > now - window - LAG_KEEP_MS}
+            keep = window + (c.rate_ms or 0) + LAG_KEEP_MS
+            self.starts = {m: at for m, at in self.starts.items() if at > now - keep}
             self.in_window = {m: at for m, at in self.starts.items() if at > now - window}
         if c.tpm:
             self._consult(TOKEN_RATE, now)
@@ -1152,7 +1154,6 @@ class Model:
             "pace_factor_pm": slow_now(c, now),
             "follows_provider": True,  # (the model's workers report no provider's figures)
             "unseen_requests": 0,
-            "unseen_tokens": 0,
         }
 
     # ---- the ledger ----------------------------------------------------------------------

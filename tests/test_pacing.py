@@ -241,19 +241,19 @@ async def test_a_429_slows_the_pacer_which_then_recovers(queue: Queue) -> None:
     (job_id, token), *_ = leased(reply)
 
     # When its call gets a 429 asking for 100 ms, the queue waits that long, and the pacer
-    # then runs at 90 % of the limit's rate, climbing back over two windows (2 s)
+    # then runs at 95 % of the limit's rate, climbing back over two windows (2 s)
     throttled = (job_id, token, b"t", b"100", 0, 0)
     assert (await step(queue, T + 10, want=0, outcomes=[throttled])).codes == [6]
     flow = await queue.flow(now=T + 10)
-    assert (flow.throttled_until_ms, flow.pace_factor_pm) == (T + 110, 900)
-    # at T + 250 it is at 912 per mille: 250 / 0.912 = 274.1 ms to the next start
+    assert (flow.throttled_until_ms, flow.pace_factor_pm) == (T + 110, 950)
+    # at T + 250 it is at 956 per mille: 250 / 0.956 = 261.5 ms to the next start
     (job_id, token), *_ = leased(await step(queue, T + 250))
-    assert (await step(queue, T + 251)).next_due == T + 525
+    assert (await step(queue, T + 251)).next_due == T + 512
 
     # A second 429 within 250 ms of the first is the same mistake: no second step down
     await step(queue, T + 259, want=0, outcomes=[(job_id, token, b"t", b"0", 0, 0)])
-    assert (await queue.flow(now=T + 259)).pace_factor_pm == 912
+    assert (await queue.flow(now=T + 259)).pace_factor_pm == 956
 
     # It climbs back to the limits' rate over two windows
-    assert (await queue.flow(now=T + 1010)).pace_factor_pm == 950
+    assert (await queue.flow(now=T + 1010)).pace_factor_pm == 975
     assert (await queue.flow(now=T + 2010)).pace_factor_pm == 1000

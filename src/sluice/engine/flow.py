@@ -58,15 +58,14 @@ class FlowState:
     #: 0 when none reported lately). The windows count over the larger of the two.
     measured_headroom_ms: int = 0
     #: The pacers' rate now, per mille of the limits': below 1000 for a while after a
-    #: provider's 429 (each takes it to 90 % of what it is, down to 50 %; it climbs back over
+    #: provider's 429 (each takes it to 95 % of what it is, down to 50 %; it climbs back over
     #: two of the longest limit window)
     pace_factor_pm: int = 1000
     #: Whether the limits follow what providers' answers say of theirs (Queue.follow_provider)
     follows_provider: bool = True
-    #: Requests and tokens the provider counted that the queue had not started (another
-    #: program on the key), added to its windows since the queue was made
+    #: Requests the provider counted that the queue had not started (another program on the
+    #: key), added to its request window since the queue was made
     unseen_requests: int = 0
-    unseen_tokens: int = 0
 
     @property
     def effective_headroom_ms(self) -> int:
@@ -305,5 +304,4 @@ class FlowControl:
             pace_factor_pm=pace_factor(c, t),
             follows_provider=c.get("follow") != "0",
             unseen_requests=int(c.get("unseen_requests", 0)),
-            unseen_tokens=int(c.get("unseen_tokens", 0)),
         )

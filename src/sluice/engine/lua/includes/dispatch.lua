@@ -170,7 +170,7 @@ local LAG_KEEP_MS = 500
 -- back to 1000 over SLOW_RECOVER windows of the longest limit. Each 429 takes
 -- SLOW_STEP of what the factor is then, down to SLOW_FLOOR, but only one per
 -- SLOW_QUIET_MS: the calls refused in one burst are one mistake, not several.
-local SLOW_STEP, SLOW_FLOOR, SLOW_RECOVER, SLOW_QUIET_MS = 900, 500, 2, 250
+local SLOW_STEP, SLOW_FLOOR, SLOW_RECOVER, SLOW_QUIET_MS = 950, 500, 2, 250
 
 local function slow_recover_ms(rate_ms, tpm_ms)
   return SLOW_RECOVER * math.max(tonumber(rate_ms) or 0, tonumber(tpm_ms) or 0, 1000)
@@ -214,9 +214,10 @@ local function load_gates(K, now)
     -- have just left the window; they are removed at most LOG_PRUNE_MAX per call.
     local cutoff = now - G.rate_win
     G.starts = redis.call('ZCOUNT', K.starts, '(' .. cutoff, '+inf')
-    -- Kept LAG_KEEP_MS longer than counted: a measured headroom that grows
-    -- counts the starts it reaches back to.
-    local prune = cutoff - LAG_KEEP_MS
+    -- Kept a window and LAG_KEEP_MS longer than counted: a measured headroom
+    -- that grows counts the starts it reaches back to, and observe.lua compares
+    -- a provider's answer with the log as it was at the call's dispatch.
+    local prune = cutoff - G.rate_ms - LAG_KEEP_MS
     local old = redis.call('ZRANGE', K.starts, LOG_PRUNE_MAX - 1, LOG_PRUNE_MAX - 1, 'WITHSCORES')
     if #old > 0 and tonumber(old[2]) <= prune then
       redis.call('ZREMRANGEBYRANK', K.starts, 0, LOG_PRUNE_MAX - 1)
