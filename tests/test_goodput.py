@@ -147,16 +147,15 @@ def test_client_limits_keep_each_process_within_its_share() -> None:
     # 100 requests and 30,000 tokens per second over 2 processes, calls of at most 440 tokens.
     limits = ClientLimits(requests=100, tokens=30_000, window=1.0, processes=2, max_cost=440)
     buckets = limits.settings()
-    assert buckets["requests"] == {"max_rate": 1, "time_period": pytest.approx(0.02)}
-    assert buckets["tokens"]["max_rate"] == 440
+    assert buckets["request_bucket"] == {"max_rate": 1, "time_period": pytest.approx(0.02)}
+    assert buckets["token_bucket"]["max_rate"] == 440
     # The most a bucket passes in W + s: its capacity, and what drains meanwhile, is the share.
-    rate = 440 / buckets["tokens"]["time_period"]
+    rate = 440 / buckets["token_bucket"]["time_period"]
     assert 440 + rate * (1.0 + 0.02) == pytest.approx(15_000)
     assert buckets["tokens_pct_of_limit"] == pytest.approx(95.16, abs=0.01)
     # A request limit the processes cannot split evenly: each keeps the whole part of its share.
-    assert ClientLimits(100, 30_000, 1.0, 3, 440).settings()["requests"]["time_period"] == pytest.approx(
-        1 / 33
-    )
+    uneven = ClientLimits(100, 30_000, 1.0, 3, 440).settings()
+    assert uneven["request_bucket"]["time_period"] == pytest.approx(1 / 33)
     with pytest.raises(ValueError, match="must exceed the largest call"):
         ClientLimits(requests=100, tokens=800, window=1.0, processes=2, max_cost=440)
     with pytest.raises(ValueError, match="cannot each keep a share"):
@@ -217,7 +216,7 @@ async def test_aiolimiter_variant_runs_every_job_once(redis: Redis, redis_url: s
     # 16 slots would send them all within a tenth of one).
     assert result["accepted_span_s"] >= 0.8
     buckets = result["queue_limits"]["client_limiter"]
-    assert buckets["processes"] == 2 and buckets["requests"]["time_period"] == pytest.approx(1 / 30)
+    assert buckets["processes"] == 2 and buckets["request_bucket"]["time_period"] == pytest.approx(1 / 30)
     # Dispatch is when the limiter let the call go, so arrival follows within the way there.
     assert result["dispatch_to_arrival"]["samples"] == 60
     assert result["dispatch_to_arrival"]["p50_ms"] < 100

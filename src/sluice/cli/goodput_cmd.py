@@ -260,7 +260,7 @@ def client_limiter_text(limits: dict[str, Any] | None) -> str:
     found = (limits or {}).get("client_limiter")
     if not found:
         return "per process, 1 / P of each limit in aiolimiter's leaky buckets"
-    requests, tokens = found["requests"], found["tokens"]
+    requests, tokens = found["request_bucket"], found["token_bucket"]
     return (
         f"per process, 1 call per {requests['time_period'] * 1000:g} ms and a bucket of "
         f"{tokens['max_rate']:,} tokens draining {tokens['max_rate'] / tokens['time_period']:,.0f} per s "

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from sluice.cli.bench_cmd import console, print_warnings, progress_bar, save_json
+from sluice.cli.bench_cmd import console, progress_bar, save_json
 from sluice.cli.runtime import run
 from sluice.engine.connection import connect
 
@@ -88,12 +88,13 @@ def run_matrix_command(
                 bar.update(overall, completed=len(cells))
         finally:
             await client.aclose()
-        for cell in data["cells"]:
-            print_warnings(cell["result"])
         return {"meta": meta, **data}
 
     with bench_redis(redis) as (url, origin):
         data = run(go(url, origin))
+    for cell in data["cells"]:
+        for warning in cell["result"].get("warnings") or []:
+            console.print(f"[yellow]warning:[/yellow] {cell['label']}: {warning[:500]}")
     console.print(matrix_table(data))
     save_json(json_path, data)
     _plot(data, json_path.with_suffix(".png"))

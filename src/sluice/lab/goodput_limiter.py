@@ -92,8 +92,8 @@ class ClientLimits:
     def settings(self) -> dict[str, Any]:
         """The two buckets as AsyncLimiter's arguments, and the share of the limits they allow."""
         return {
-            "requests": {"max_rate": 1, "time_period": self.spacing},
-            "tokens": {"max_rate": self.max_cost, "time_period": self.max_cost / self.token_rate},
+            "request_bucket": {"max_rate": 1, "time_period": self.spacing},
+            "token_bucket": {"max_rate": self.max_cost, "time_period": self.max_cost / self.token_rate},
             "requests_pct_of_limit": round(
                 100.0 * (self.requests // self.processes) * self.processes / self.requests, 2
             ),
@@ -119,8 +119,8 @@ class ClientLimiter:
 
         self.limits = limits
         buckets = limits.settings()
-        self._requests: AsyncLimiter = AsyncLimiter(**buckets["requests"])
-        self._tokens: AsyncLimiter = AsyncLimiter(**buckets["tokens"])
+        self._requests: AsyncLimiter = AsyncLimiter(**buckets["request_bucket"])
+        self._tokens: AsyncLimiter = AsyncLimiter(**buckets["token_bucket"])
         self._lock = asyncio.Lock()
 
     async def acquire(self, cost: int) -> None:

@@ -147,7 +147,14 @@ async def run_matrix(
         if on_cell is not None:
             on_cell(i, cell)
         result = await run_variant(redis, url, spec, cell.variant, log_dir, progress)
-        results.append({**dataclasses.asdict(cell), "meets_target": meets_target(result), "result": result})
+        results.append(
+            {
+                **dataclasses.asdict(cell),
+                "label": cell.label(),
+                "meets_target": meets_target(result),
+                "result": result,
+            }
+        )
     return {
         "spec": spec_meta(base),
         "matrix": dataclasses.asdict(matrix),
@@ -207,6 +214,7 @@ def write_plot(data: dict[str, Any], path: Path) -> Path:
                 va="bottom",
                 fontsize=6,
                 rotation=90,
+                color="#cf222e" if r["rate_limited"] else "#57606a",
                 xytext=(0, 2),
                 textcoords="offset points",
             )
@@ -228,7 +236,7 @@ def write_plot(data: dict[str, Any], path: Path) -> Path:
     ax.set_ylim(0, 112)
     ax.grid(axis="y", color="#d0d7de", lw=0.6)
     ax.set_axisbelow(True)
-    ax.legend(loc="lower left", fontsize=7, frameon=True, ncols=len(variants) + 1)
+    fig.legend(loc="outside lower center", fontsize=8, frameon=False, ncols=len(variants) + 1)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", facecolor="white")
     return path
