@@ -17,14 +17,13 @@ from sluice.lab.goodput import (
     LIMITED,
     NO_LIMITER,
     GoodputSpec,
-    compare,
     goodput,
     run_variant,
-    spec_meta,
     theoretical_min_s,
     workload,
 )
 from sluice.lab.goodput_limiter import ClientLimiter, ClientLimits
+from sluice.lab.goodput_report import compare, spec_meta
 
 
 def test_workload_is_deterministic_and_varied() -> None:

@@ -211,7 +211,8 @@ def _fail(message: str) -> NoReturn:
 def _single(spec: GoodputSpec, chosen: list[str], redis: str | None, json_path: Path | None) -> None:
     """Each chosen variant once, against a fresh provider; a column each in the table."""
     from sluice.lab.common import bench_redis, machine_meta
-    from sluice.lab.goodput import compare, run_variant, spec_meta
+    from sluice.lab.goodput import run_variant
+    from sluice.lab.goodput_report import compare, spec_meta
 
     async def go(url: str, origin: str) -> dict[str, Any]:
         client = connect(url)
@@ -272,7 +273,8 @@ def goodput_table(data: dict[str, Any]) -> Table:
     """One column per variant, and their ratio; the JSON has the provider's and the engine's counters."""
     from rich.table import Table
 
-    from sluice.lab.goodput import CLIENT_LIMITED, LIMITED, NO_LIMITER, compare, rows
+    from sluice.lab.goodput import CLIENT_LIMITED, LIMITED, NO_LIMITER
+    from sluice.lab.goodput_report import compare, rows
 
     meta = data["spec"]
     variants: dict[str, dict[str, Any]] = data["variants"]

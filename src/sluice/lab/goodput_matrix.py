@@ -31,10 +31,10 @@ from sluice.lab.goodput import (
     GoodputSpec,
     Progress,
     run_variant,
-    spec_meta,
     theoretical_min_s,
     workload,
 )
+from sluice.lab.goodput_report import spec_meta
 from sluice.testing.network import check_network_delay
 
 if TYPE_CHECKING:
