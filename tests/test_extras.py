@@ -39,6 +39,12 @@ def run_hidden(hidden: list[str], code: str, *, path: str | None = None) -> subp
     [
         (["psutil"], "import sluice.lab.common", "lab"),
         (["httpx"], "import sluice.lab.goodput", "lab"),
+        (
+            ["aiolimiter"],
+            "from sluice.lab.goodput_limiter import ClientLimiter, ClientLimits\n"
+            "    ClientLimiter(ClientLimits(100, 30_000, 1.0, 1, 440))",
+            "lab",
+        ),
         (["starlette"], "import sluice.testing.provider", "testing"),
         (["uvicorn"], "import sluice.testing.provider", "testing"),
         (
@@ -120,6 +126,7 @@ def test_pip_install_brings_the_engine_and_the_cli_and_nothing_optional(tmp_path
         "httpx",
         "psutil",
         "matplotlib",
+        "aiolimiter",
         "fastapi",
         "sqlalchemy",
         "opentelemetry-sdk",

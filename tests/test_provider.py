@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -10,7 +11,9 @@ import httpx
 import pytest
 
 from sluice.testing.provider import (
+    ARRIVALS_PATH,
     COMPLETIONS_PATH,
+    REQUEST_ID_HEADER,
     STATS_PATH,
     ProviderLimits,
     SlidingWindow,
@@ -192,3 +195,44 @@ def test_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="window"):
         ProviderLimits(window=0)
     assert ProviderLimits(latency=0.1, latency_per_token=0.001).duration(100) == pytest.approx(0.2)
+    for bad in (-0.001, 10.5, math.nan, math.inf, True, "0.1"):
+        with pytest.raises(ValueError, match=r"network_delay must be a number of seconds from 0 to 10"):
+            ProviderLimits(network_delay=bad)  # type: ignore[arg-type]
+    assert ProviderLimits(network_delay=10).network_delay == 10
+
+
+# ---- the network's delay -----------------------------------------------------------------------
+
+DELAY_S = 0.08
+
+
+async def test_network_delay_holds_each_request_and_each_answer_each_way() -> None:
+    limits = ProviderLimits(requests=1, window=60.0, network_delay=DELAY_S)
+    with serve_provider(limits) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            # Given a connection already open (its set-up is not the network's delay)
+            assert (await client.get(STATS_PATH)).status_code == 200
+            # When one call is sent, then a second that the request limit refuses
+            sent = time.time()
+            accepted = await client.post(COMPLETIONS_PATH, json=body(1), headers={REQUEST_ID_HEADER: "one"})
+            back = time.time()
+            refused_sent = time.monotonic()
+            refused = await client.post(COMPLETIONS_PATH, json=body(1))
+            refused_took = time.monotonic() - refused_sent
+            arrived = (await client.get(ARRIVALS_PATH)).json()["one"]
+    assert accepted.status_code == 200 and refused.status_code == 429
+    # Then the provider saw the call one delay after it left, and the answer took another delay back
+    assert DELAY_S <= arrived - sent < DELAY_S + 0.5
+    assert DELAY_S <= back - arrived < DELAY_S + 0.5
+    # and a refusal, answered at once by the provider, still takes the way there and back.
+    assert 2 * DELAY_S <= refused_took < 2 * DELAY_S + 0.5
+
+
+async def test_without_network_delay_a_call_is_not_held() -> None:
+    with serve_provider(ProviderLimits(requests=10, window=60.0)) as url:
+        async with httpx.AsyncClient(base_url=url) as client:
+            assert (await client.get(STATS_PATH)).status_code == 200
+            sent = time.monotonic()
+            assert (await client.post(COMPLETIONS_PATH, json=body(1))).status_code == 200
+            # The two delays of the test above would take 0.16 s; loopback takes a few ms.
+            assert time.monotonic() - sent < 2 * DELAY_S

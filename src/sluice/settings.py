@@ -70,6 +70,7 @@ ENV_GOODPUT_REDIS = "SLUICE_GOODPUT_REDIS"
 ENV_GOODPUT_PROVIDER = "SLUICE_GOODPUT_PROVIDER"
 ENV_GOODPUT_RUNS_KEY = "SLUICE_GOODPUT_RUNS_KEY"
 ENV_GOODPUT_CLIENT = "SLUICE_GOODPUT_CLIENT"
+ENV_GOODPUT_CLIENT_LIMITS = "SLUICE_GOODPUT_CLIENT_LIMITS"
 #: From ``sluice worker -p N --metrics-port`` (and ``sluice dev``) to its worker processes:
 #: the directory they write their metrics to (service/worker_metrics.py).
 ENV_WORKER_METRICS_DIR = "SLUICE_WORKER_METRICS_DIR"

@@ -5,9 +5,10 @@ Registered on ``bench_app`` when imported (``sluice.cli.app`` imports it).
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.progress import TaskID
@@ -27,11 +28,35 @@ from sluice.engine.connection import connect
 if TYPE_CHECKING:
     from rich.table import Table
 
+    from sluice.lab.goodput import GoodputSpec
+
+
+#: Defaults of the single run and of the matrix's cells (see --help).
+SINGLE_JOBS, MATRIX_JOBS = 2000, 1000
+SINGLE_TIMEOUT_S = 180.0
+MATRIX_JSON = Path("goodput-matrix.json")
+
 
 @bench_app.command("goodput")
 def goodput(
-    jobs: Annotated[int, typer.Option(min=1, max=100_000, help="Provider calls (one per job).")] = 2000,
-    processes: Annotated[int, typer.Option("--processes", "-p", min=1, max=16, help="Worker processes.")] = 2,
+    jobs: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=100_000,
+            help=f"Provider calls (one per job): {SINGLE_JOBS:,}, or {MATRIX_JOBS:,} per cell with --matrix.",
+        ),
+    ] = None,
+    processes: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--processes",
+            "-p",
+            min=1,
+            max=16,
+            help="Worker processes: 2, or 1 and 2 with --matrix (repeatable there, to narrow it).",
+        ),
+    ] = None,
     concurrency: Annotated[
         int, typer.Option("--concurrency", "-c", min=1, help="Jobs at once per process.")
     ] = 32,
@@ -44,37 +69,76 @@ def goodput(
     latency_per_token: Annotated[
         float, typer.Option(min=0, help="Plus seconds per completion token.")
     ] = 0.0002,
+    network_delay_ms: Annotated[
+        list[float] | None,
+        typer.Option(
+            "--network-delay-ms",
+            min=0,
+            max=10_000,
+            help="Milliseconds between the workers and the provider, each way: 0, or 0, 5 and 50 with "
+            "--matrix (repeatable there).",
+        ),
+    ] = None,
     count_rejected: Annotated[
-        bool,
+        bool | None,
         typer.Option(
             "--count-rejected/--free-rejected",
-            help="The provider counts refused calls against its request limit (as OpenAI documents).",
+            help="The provider counts refused calls against its request limit (as OpenAI documents), "
+            "or not (the default); --matrix runs both unless one is given.",
+        ),
+    ] = None,
+    matrix: Annotated[
+        bool,
+        typer.Option(
+            "--matrix",
+            help="Every variant x processes x network delay x refusals counted or not, a fresh provider "
+            f"per cell; writes --json (default ./{MATRIX_JSON}) and a PNG beside it.",
         ),
     ] = False,
     pace: Annotated[
         int, typer.Option(min=1, help="sluice-limited: the request limit in this many steps per window.")
     ] = 1,
     headroom_ms: Annotated[
-        int, typer.Option(min=0, max=60_000, help="sluice-limited: the queue's headroom, ms.")
-    ] = 30,
+        int | None,
+        typer.Option(min=0, max=60_000, help="sluice-limited: the queue's headroom, ms (default: its own)."),
+    ] = None,
     tolerance_ms: Annotated[
-        int, typer.Option(min=0, max=60_000, help="sluice-limited: the queue's pacer's tolerance, ms.")
-    ] = 20,
+        int | None,
+        typer.Option(
+            min=0,
+            max=60_000,
+            help="sluice-limited: the pacer's tolerance, ms (default: the queue's).",
+        ),
+    ] = None,
     pacer: Annotated[
-        bool, typer.Option("--pacer/--no-pacer", help="sluice-limited: pace the starts (or not).")
-    ] = True,
-    max_attempts: Annotated[int, typer.Option(min=1, help="no-limiter: attempts per job.")] = 50,
+        bool | None,
+        typer.Option(
+            "--pacer/--no-pacer", help="sluice-limited: pace the starts or not (default: as the queue does)."
+        ),
+    ] = None,
+    max_attempts: Annotated[
+        int, typer.Option(min=1, help="no-limiter and aiolimiter: attempts per job.")
+    ] = 50,
     backoff_base: Annotated[
-        float, typer.Option(min=0, help="no-limiter: first retry delay, seconds.")
+        float, typer.Option(min=0, help="no-limiter and aiolimiter: first retry delay, seconds.")
     ] = 0.05,
     backoff_max: Annotated[
-        float, typer.Option(min=0, help="no-limiter: longest retry delay, seconds.")
+        float, typer.Option(min=0, help="no-limiter and aiolimiter: longest retry delay, seconds.")
     ] = 1.0,
     variant: Annotated[
         list[str] | None,
-        typer.Option("--variant", help="sluice-limited and/or no-limiter (repeatable; default both)."),
+        typer.Option(
+            "--variant", help="sluice-limited, no-limiter and/or aiolimiter (repeatable; default all three)."
+        ),
     ] = None,
-    timeout: Annotated[float, typer.Option(min=1, help="Seconds one variant may take.")] = 180.0,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            min=1,
+            help=f"Seconds one variant may take: {SINGLE_TIMEOUT_S:g}, or with --matrix twice the "
+            "theoretical minimum + 10 per cell.",
+        ),
+    ] = None,
     client: Annotated[
         str,
         typer.Option(help="provider: calls through Sluice's OpenAIProvider; raw: a bare httpx client."),
@@ -82,39 +146,73 @@ def goodput(
     redis: RedisOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
-    """Run LLM calls against a simulated rate-limited provider: a limited queue vs retry-on-429."""
+    """LLM calls against a simulated rate-limited provider: Sluice's limits, retry-on-429, aiolimiter."""
     # Imported here: every `sluice` command (a worker's start-up too) loads this module.
-    from sluice.lab.common import bench_redis, machine_meta
-    from sluice.lab.goodput import VARIANTS, GoodputSpec, compare, run_variant, spec_meta
+    from sluice.lab.goodput import CLIENT_LIMITED, VARIANTS, GoodputSpec
 
     chosen = variant or list(VARIANTS)
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown:
-        console.print(f"[red]error:[/red] unknown variant {unknown[0]!r}; use {' or '.join(VARIANTS)}")
-        raise typer.Exit(2)
+        _fail(f"unknown variant {unknown[0]!r}; use {', '.join(VARIANTS)}")
+    if not matrix:
+        for option, values in (("--processes", processes), ("--network-delay-ms", network_delay_ms)):
+            if values is not None and len(values) > 1:
+                _fail(f"{option} takes one value without --matrix, got {len(values)}")
     try:
         spec = GoodputSpec(
-            jobs=jobs,
-            processes=processes,
+            jobs=jobs or (MATRIX_JOBS if matrix else SINGLE_JOBS),
+            processes=processes[0] if processes else 2,
             concurrency=concurrency,
             window=window,
             requests=rpw,
             tokens=tpw,
             latency=latency,
             latency_per_token=latency_per_token,
-            count_rejected=count_rejected,
+            count_rejected=bool(count_rejected),
+            network_delay=network_delay_ms[0] / 1000 if network_delay_ms else 0.0,
             pace=pace,
-            headroom=headroom_ms / 1000,
-            tolerance_ms=tolerance_ms if pacer else None,
+            headroom_ms=headroom_ms,
+            tolerance_ms=tolerance_ms,
+            pacer=pacer,
             max_attempts=max_attempts,
             backoff_base=backoff_base,
             backoff_max=backoff_max,
-            timeout=timeout,
+            timeout=timeout or SINGLE_TIMEOUT_S,
             client=client,
         )
+        if CLIENT_LIMITED in chosen and not matrix:
+            spec.client_limits()  # the matrix checks each cell's
     except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        _fail(str(exc))
+    # The driver reads the provider's counters ten times a second; httpx logs each read at INFO.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if matrix:
+        from sluice.cli.goodput_matrix import run_matrix_command
+
+        run_matrix_command(
+            spec,
+            chosen,
+            processes,
+            network_delay_ms,
+            None if count_rejected is None else [count_rejected],
+            timeout,
+            redis,
+            json_path or MATRIX_JSON,
+        )
+        return
+    _single(spec, chosen, redis, json_path)
+
+
+def _fail(message: str) -> NoReturn:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)
+
+
+def _single(spec: GoodputSpec, chosen: list[str], redis: str | None, json_path: Path | None) -> None:
+    """Each chosen variant once, against a fresh provider; a column each in the table."""
+    from sluice.lab.common import bench_redis, machine_meta
+    from sluice.lab.goodput import run_variant
+    from sluice.lab.goodput_report import compare, spec_meta
 
     async def go(url: str, origin: str) -> dict[str, Any]:
         client = connect(url)
@@ -123,7 +221,7 @@ def goodput(
             meta = await machine_meta(client, url, origin)
             with tempfile.TemporaryDirectory(prefix="sluice-bench-logs-") as logs, progress_bar() as bar:
                 for name in chosen:
-                    task = bar.add_task(name, total=jobs)
+                    task = bar.add_task(name, total=spec.jobs)
 
                     def show(done: int, rejected: int, task: TaskID = task, name: str = name) -> None:
                         bar.update(task, completed=done, description=f"{name} ({rejected:,} x 429)")
@@ -140,16 +238,34 @@ def goodput(
     save_json(json_path, data)
 
 
-def _queue_limits(meta: dict[str, Any]) -> str:
-    window, pace, headroom_ms = meta["window"], meta["pace"], meta["headroom"] * 1000
+def _queue_limits(meta: dict[str, Any], limits: dict[str, Any] | None) -> str:
+    """sluice-limited's limits and pacing (``limits``: its run's queue_limits, None if it did not run)."""
+    window, pace = meta["window"], meta["pace"]
     starts = f"{meta['requests'] // pace:,} starts per {window / pace:g} s"
     if pace > 1:
         starts += f" (the provider's {meta['requests']:,} per {window:g} s in {pace} steps)"
-    tolerance = meta.get("tolerance_ms")
-    pacer = "no pacer" if tolerance is None else f"paced, {tolerance} ms tolerance"
+    return f"{starts} and {meta['tokens']:,} tokens per {window:g} s, {pacing_text(limits)}"
+
+
+def pacing_text(limits: dict[str, Any] | None) -> str:
+    """The queue's pacing as the run found it, and whether the bench set it or left the defaults."""
+    if not limits:
+        return "paced as the queue's defaults say"
+    now = ", ".join(f"{k} {'off' if v is None else v}" for k, v in (limits.get("pacing") or {}).items())
+    origin = "as set" if limits.get("pacing_set") else "the queue's defaults"
+    return f"pacing {now or '?'} ({origin})"
+
+
+def client_limiter_text(limits: dict[str, Any] | None) -> str:
+    """The aiolimiter variant's buckets per process."""
+    found = (limits or {}).get("client_limiter")
+    if not found:
+        return "per process, 1 / P of each limit in aiolimiter's leaky buckets"
+    requests, tokens = found["request_bucket"], found["token_bucket"]
     return (
-        f"{starts} and {meta['tokens']:,} tokens per {window:g} s, every window + {headroom_ms:g} ms headroom"
-        f", {pacer}"
+        f"per process, 1 call per {requests['time_period'] * 1000:g} ms and a bucket of "
+        f"{tokens['max_rate']:,} tokens draining {tokens['max_rate'] / tokens['time_period']:,.0f} per s "
+        f"({found['tokens_pct_of_limit']:g} % of the token limit over all processes)"
     )
 
 
@@ -157,7 +273,8 @@ def goodput_table(data: dict[str, Any]) -> Table:
     """One column per variant, and their ratio; the JSON has the provider's and the engine's counters."""
     from rich.table import Table
 
-    from sluice.lab.goodput import LIMITED, NO_LIMITER, compare, rows
+    from sluice.lab.goodput import CLIENT_LIMITED, LIMITED, NO_LIMITER
+    from sluice.lab.goodput_report import compare, rows
 
     meta = data["spec"]
     variants: dict[str, dict[str, Any]] = data["variants"]
@@ -181,12 +298,15 @@ def goodput_table(data: dict[str, Any]) -> Table:
             cells.append(f"x{ratios[label]:.2f}" if label in ratios else "")
         table.add_row(label, *cells)
     refusals = "count against its request limit" if meta["count_rejected"] else "cost the client nothing"
+    delay = meta.get("network_delay", 0.0) * 1000
     table.caption = (
-        f"The provider's refusals {refusals}. Workload {meta['workload_tokens']:,} tokens: "
-        f"the minimum is {meta['theoretical_min_s']:g} s "
+        f"The provider's refusals {refusals}; {delay:g} ms of network delay each way. Workload "
+        f"{meta['workload_tokens']:,} tokens: the minimum is {meta['theoretical_min_s']:g} s "
         f"({meta['theoretical_binding']} bind). Goodput: accepted calls (or tokens) per complete window "
         f"while jobs waited, as a share of the limit that binds. End to end: add to finish. "
-        f"sluice-limited: {_queue_limits(meta)}. no-limiter: up to {meta['max_attempts']} attempts, backoff "
-        f"{meta['backoff_base']:g}-{meta['backoff_max']:g} s with full jitter."
+        f"sluice-limited: {_queue_limits(meta, variants.get(LIMITED, {}).get('queue_limits'))}. "
+        f"no-limiter: up to {meta['max_attempts']} attempts, backoff "
+        f"{meta['backoff_base']:g}-{meta['backoff_max']:g} s with full jitter. aiolimiter: "
+        f"{client_limiter_text(variants.get(CLIENT_LIMITED, {}).get('queue_limits'))}, its 429s retried so."
     )
     return table

@@ -16,7 +16,16 @@ simulated provider of :mod:`sluice.testing.provider`, a fresh one per variant:
   usage;
 * ``no-limiter``: the same queue and workers without limits; a 429 is an
   ordinary failure, retried with exponential backoff and full jitter up to
-  ``max_attempts`` times, as retry-on-429 clients do.
+  ``max_attempts`` times, as retry-on-429 clients do;
+* ``aiolimiter``: the same queue without limits, and in each worker process
+  a client-side limiter from the maintained ``aiolimiter`` package holding
+  that process's share of the provider's limits (configured as
+  :mod:`sluice.lab.goodput_limiter` says); a 429 is retried as the
+  no-limiter's is.
+
+``network_delay`` puts that many seconds between the workers and the
+provider, each way (:class:`sluice.testing.network.NetworkDelay`); the
+dispatch-to-arrival times include it once.
 
 Figures per variant:
 
@@ -31,8 +40,9 @@ Figures per variant:
   call that was not accepted), end-to-end latency (add to finish) p50/p95/p99;
 * exactly once: each job counts its own successful runs (see
   :mod:`sluice.lab.goodput_worker`), so a lost or twice-run job shows;
-* dispatch to arrival: from the job's start in the queue to its accepted
-  call's arrival at the provider (matched by request id).
+* dispatch to arrival: from the job's start in the queue (aiolimiter: from
+  the moment its limiter let the call go) to its accepted call's arrival at
+  the provider (matched by request id).
 
 Before the workload, every worker slot runs one ``warm_up`` job (its client
 built, a connection open), and only then are the limits set and the jobs
@@ -41,7 +51,8 @@ added, all at once, with every worker serving.
 Dispatch versus arrival. The queue counts a call when it *starts* it, the
 provider when it *arrives*: a call that reaches the provider faster than
 the one whose place in the window it takes arrives one too many, and gets a
-429. Three settings, all stated in the output, absorb that:
+429. Three settings, all stated in the output, absorb that (the first two
+are the queue's own defaults unless the spec sets them: :class:`GoodputSpec`):
 
 * the queue's pacer (``tolerance_ms``; None turns it off): a sliding window
   alone admits a whole window's worth at once, so the first burst (as many
@@ -78,9 +89,19 @@ from sluice.engine.clock import now_ms
 from sluice.engine.job import JobSpec
 from sluice.engine.queue import Queue
 from sluice.lab.common import drop_queue, new_queue_name
-from sluice.lab.goodput_worker import CLIENTS, ENV_CLIENT, ENV_PROVIDER, ENV_REDIS, ENV_RUNS_KEY
+from sluice.lab.goodput_limiter import ClientLimits
+from sluice.lab.goodput_worker import (
+    CLIENTS,
+    ENV_CLIENT,
+    ENV_CLIENT_LIMITS,
+    ENV_PROVIDER,
+    ENV_REDIS,
+    ENV_RUNS_KEY,
+    SENT_SUFFIX,
+)
 from sluice.lab.procs import WorkerGroup
 from sluice.lab.stats import summarize_ms
+from sluice.testing.network import check_network_delay
 from sluice.testing.provider import (
     ARRIVALS_PATH,
     STATS_PATH,
@@ -94,7 +115,10 @@ if TYPE_CHECKING:
 
 LIMITED = "sluice-limited"
 NO_LIMITER = "no-limiter"
-VARIANTS = (LIMITED, NO_LIMITER)
+CLIENT_LIMITED = "aiolimiter"
+VARIANTS = (LIMITED, NO_LIMITER, CLIENT_LIMITED)
+#: The job each variant adds (the handlers of sluice.lab.goodput_worker).
+HANDLERS = {LIMITED: "call_limited", NO_LIMITER: "call_retry", CLIENT_LIMITED: "call_client_limited"}
 WORKER_TARGET = "sluice.lab.goodput_worker:worker"
 #: Seconds between two reads of the progress counters (the runs take tens of seconds).
 POLL_S = 0.1
@@ -149,14 +173,19 @@ class GoodputSpec:
     latency_per_token: float = 0.0002
     #: the provider counts refused calls against its request limit, as OpenAI documents
     count_rejected: bool = False
+    #: seconds between workers and provider, each way (the simulated network's distance)
+    network_delay: float = 0.0
     #: sluice-limited: the request limit as requests // pace per window / pace (see the module's
     #: docstring); a pace that does not divide requests makes the queue's limit a little stricter
     pace: int = 1
-    #: sluice-limited: the queue's headroom (seconds added to its windows) for dispatch-to-arrival
-    #: jitter, and its pacer's tolerance (ms; None: no pacer)
-    headroom: float = 0.03
-    tolerance_ms: int | None = 20
-    #: the no-limiter's retry policy: exponential from backoff_base to backoff_max, full jitter
+    #: sluice-limited: the queue's pacing (Queue.set_pacing): its headroom (ms added to its
+    #: windows) for dispatch-to-arrival jitter, its pacer's tolerance (ms), the pacer on or off.
+    #: None leaves the queue's own default; set_pacing is called only if one is given.
+    headroom_ms: int | None = None
+    tolerance_ms: int | None = None
+    pacer: bool | None = None
+    #: the no-limiter's and the aiolimiter's retry policy: exponential from backoff_base to
+    #: backoff_max, full jitter
     max_attempts: int = 50
     backoff_base: float = 0.05
     backoff_max: float = 1.0
@@ -170,10 +199,40 @@ class GoodputSpec:
             raise ValueError(f"client must be one of {', '.join(CLIENTS)}, got {self.client!r}")
         if not 1 <= self.pace <= self.requests:
             raise ValueError(f"pace must be from 1 to requests ({self.requests}), got {self.pace}")
+        if self.pacer is False and self.tolerance_ms is not None:
+            raise ValueError("a tolerance is the pacer's: give tolerance_ms or pacer=False, not both")
+        check_network_delay(self.network_delay)
 
     def provider_limits(self) -> ProviderLimits:
         return ProviderLimits(
-            self.requests, self.tokens, self.window, self.latency, self.latency_per_token, self.count_rejected
+            self.requests,
+            self.tokens,
+            self.window,
+            self.latency,
+            self.latency_per_token,
+            self.count_rejected,
+            self.network_delay,
+        )
+
+    def pacing(self) -> dict[str, Any]:
+        """The arguments of Queue.set_pacing that this spec sets (none: the queue's defaults stand)."""
+        out: dict[str, Any] = {}
+        if self.pacer is False:
+            out["tolerance_ms"] = None
+        elif self.tolerance_ms is not None:
+            out["tolerance_ms"] = self.tolerance_ms
+        if self.headroom_ms is not None:
+            out["headroom_ms"] = self.headroom_ms
+        return out
+
+    def client_limits(self) -> ClientLimits:
+        """The aiolimiter variant's share of the provider's limits per process."""
+        return ClientLimits(
+            self.requests,
+            self.tokens,
+            self.window,
+            self.processes,
+            max(c.tokens for c in workload(self.jobs)),
         )
 
     def backoff(self) -> Backoff:
@@ -200,11 +259,14 @@ async def run_variant(
     """Run the workload once as ``variant`` against a fresh simulated provider."""
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r} is unknown; use one of {VARIANTS}")
+    client_limits = spec.client_limits() if variant == CLIENT_LIMITED else None
     name = new_queue_name("goodput")
     queue = Queue(name, redis=redis)
     runs_key = queue.keys.base + "bench-runs"
     with serve_provider(spec.provider_limits()) as provider_url:
         env = {ENV_PROVIDER: provider_url, ENV_REDIS: url, ENV_RUNS_KEY: runs_key, ENV_CLIENT: spec.client}
+        if client_limits is not None:
+            env[ENV_CLIENT_LIMITS] = client_limits.to_json()
         group = WorkerGroup(url, name, spec.concurrency, env=env, log_dir=log_dir, target=WORKER_TARGET)
         try:
             group.start(spec.processes)
@@ -224,20 +286,28 @@ async def run_variant(
 
 
 async def _configure(queue: Queue, spec: GoodputSpec, variant: str) -> dict[str, Any]:
+    """Set the queue's limits (sluice-limited only); returns the limits in force, for the JSON."""
+    if variant == CLIENT_LIMITED:
+        limits = spec.client_limits()
+        return {"client_limiter": {**asdict(limits), **limits.settings()}}
     if variant != LIMITED:
         return {}
     starts = spec.requests // spec.pace
-    await queue.set_pacing(tolerance_ms=spec.tolerance_ms, headroom_ms=round(spec.headroom * 1000))
+    pacing = spec.pacing()
+    if pacing:
+        await queue.set_pacing(**pacing)
     await queue.set_rate_limit(starts, per=spec.window / spec.pace)
     await queue.set_token_rate_limit(spec.tokens, per=spec.window)
+    # As the queue has them: its own defaults for what the spec left alone.
+    flow = asdict(await queue.flow())
     return {
         "max_starts": starts,
         "starts_window_s": spec.window / spec.pace,
         "tokens": spec.tokens,
         "tokens_window_s": spec.window,
-        "headroom_s": spec.headroom,
         "pace": spec.pace,
-        "tolerance_ms": spec.tolerance_ms,
+        "pacing_set": pacing,
+        "pacing": {k: v for k, v in flow.items() if "pace" in k or "headroom" in k},
     }
 
 
@@ -262,12 +332,12 @@ async def _warm_up(queue: Queue, spec: GoodputSpec, timeout: float = 60.0) -> No
 def _specs(spec: GoodputSpec, variant: str, calls: list[Call]) -> list[JobSpec]:
     if variant == LIMITED:
         return [
-            JobSpec("call_limited", {"prompt": c.prompt, "max_tokens": c.max_tokens}, tokens=c.tokens)
+            JobSpec(HANDLERS[variant], {"prompt": c.prompt, "max_tokens": c.max_tokens}, tokens=c.tokens)
             for c in calls
         ]
     return [
         JobSpec(
-            "call_retry",
+            HANDLERS[variant],
             {"prompt": c.prompt, "max_tokens": c.max_tokens},
             max_attempts=spec.max_attempts,
             backoff=spec.backoff(),
@@ -294,12 +364,16 @@ async def _measure(
     await asyncio.sleep(SETTLE_S)
     raw_runs: Any = await redis.hgetall(runs_key)
     runs = {k.decode(): int(v) for k, v in raw_runs.items()}
+    raw_sent: Any = await redis.hgetall(runs_key + SENT_SUFFIX)
+    sent_ms = {k.decode(): float(v) * 1000 for k, v in raw_sent.items()}
     provider = (await http.get(STATS_PATH)).json()
     arrivals: dict[str, float] = (await http.get(ARRIVALS_PATH)).json()
     records = [r for r in await queue.get_jobs([j.id for j in jobs]) if r is not None]
     finished = [r for r in records if r.finished_ms is not None and r.id in runs]
     e2e_ms = [float(r.finished_ms - r.created_ms) for r in finished if r.finished_ms is not None]
-    lag_ms = [arrivals[r.id] * 1000 - r.started_ms for r in finished if r.id in arrivals and r.started_ms]
+    # The call's dispatch: when the client-side limiter let it go (aiolimiter), else the job's start.
+    dispatched = {r.id: sent_ms.get(r.id, r.started_ms) for r in finished if r.started_ms}
+    lag_ms = [arrivals[i] * 1000 - t for i, t in dispatched.items() if i in arrivals]
     complete = len(runs) == spec.jobs
     end_ms = max((r.finished_ms for r in finished if r.finished_ms is not None), default=now_ms())
     accepted = [(arrivals[j.id], c.tokens) for j, c in zip(jobs, calls, strict=True) if j.id in arrivals]
@@ -395,60 +469,3 @@ def goodput(
         "goodput_windows": windows,
         "accepted_span_s": round(last - first, 3),
     }
-
-
-def compare(results: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """no-limiter / sluice-limited for every figure where a ratio means something (the table's column)."""
-    a, b = results.get(LIMITED), results.get(NO_LIMITER)
-    if a is None or b is None:
-        return {}
-    out = {}
-    for (label, _, x), (_, _, y) in zip(rows(a), rows(b), strict=True):
-        if x and y is not None:
-            out[label] = round(y / x, 3)
-    return out
-
-
-def spec_meta(spec: GoodputSpec) -> dict[str, Any]:
-    """The spec and the workload's totals, for the JSON and the table's caption."""
-    calls = workload(spec.jobs)
-    minimum, binds = theoretical_min_s(spec, calls)
-    return {
-        **asdict(spec),
-        "workload_tokens": sum(c.tokens for c in calls),
-        "theoretical_min_s": round(minimum, 3),
-        "theoretical_binding": binds,
-    }
-
-
-def _n(value: float | None, digits: int = 0, scale: float = 1.0) -> str:
-    return "-" if value is None else f"{value * scale:,.{digits}f}"
-
-
-def rows(r: dict[str, Any]) -> list[tuple[str, str, float | None]]:
-    """(figure, as shown, value for a ratio or None) of one variant: the report's rows."""
-    lag = r["dispatch_to_arrival"]
-    # A run that stopped with jobs left has no completion time, and the latencies of the
-    # jobs that made it say nothing about the others (the JSON keeps them).
-    e2e = r["e2e"] if r["complete"] else {}
-    return [
-        ("completion time, s", _n(r["completion_s"], 2), r["completion_s"]),
-        ("theoretical minimum, s", _n(r["theoretical_min_s"], 2), None),
-        (
-            "goodput, % of the provider's limit",
-            f"{_n(r['goodput_pct'], 1)} ({r['binding'] or '-'})",
-            r["goodput_pct"],
-        ),
-        ("429s received", _n(r["rate_limited"]), None),
-        ("wasted calls", _n(r["wasted_calls"]), None),
-        ("total calls", _n(r["calls"]), r["calls"]),
-        ("end-to-end p50, s", _n(e2e.get("p50_ms"), 2, 1e-3), e2e.get("p50_ms")),
-        ("end-to-end p95, s", _n(e2e.get("p95_ms"), 2, 1e-3), e2e.get("p95_ms")),
-        ("end-to-end p99, s", _n(e2e.get("p99_ms"), 2, 1e-3), e2e.get("p99_ms")),
-        ("dispatch to arrival p50 / max, ms", f"{_n(lag['p50_ms'])} / {_n(lag['max_ms'])}", None),
-        (
-            "done / duplicates / not done",
-            f"{r['completed']} / {r['duplicates']} / {r['lost_or_failed']}",
-            None,
-        ),
-    ]

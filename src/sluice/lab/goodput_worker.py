@@ -1,8 +1,9 @@
-"""The goodput benchmark's worker: one provider call per job, two ways of taking a 429.
+"""The goodput benchmark's worker: one provider call per job, three ways of staying under the limits.
 
 Started as ``sluice worker sluice.lab.goodput_worker:worker``; the
 benchmark passes the provider's base URL, the Redis URL and a hash key in
-the environment. The job's name picks the variant, so one worker serves both:
+the environment (and, for ``call_client_limited``, the process's share of
+the limits). The job's name picks the variant, so one worker serves all:
 
 * ``call_limited``: the queue holds the provider's limits; a 429 (which the
   limits should make rare) raises :class:`sluice.Throttled` with the
@@ -10,6 +11,10 @@ the environment. The job's name picks the variant, so one worker serves both:
   job back uncounted; a success reports its usage to the token window.
 * ``call_retry``: no limits; a 429 is an ordinary failure, retried with the
   job's backoff like any other error (the usual retry-on-429 client).
+* ``call_client_limited``: no limits in the queue; each process waits in its
+  own aiolimiter buckets for its share of the provider's limits
+  (:mod:`sluice.lab.goodput_limiter`) before it calls, and a 429 is retried
+  with the job's backoff as ``call_retry``'s is.
 
 The call goes through Sluice's own OpenAI-compatible provider
 (:class:`sluice.llm.openai.OpenAIProvider`, one per process, its 429s read
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -36,13 +42,15 @@ from sluice import Throttled
 from sluice.engine.connection import connect
 from sluice.engine.context import JobContext
 from sluice.engine.worker import Worker
+from sluice.lab.goodput_limiter import ClientLimiter, ClientLimits
 from sluice.settings import (
     ENV_GOODPUT_CLIENT,
+    ENV_GOODPUT_CLIENT_LIMITS,
     ENV_GOODPUT_PROVIDER,
     ENV_GOODPUT_REDIS,
     ENV_GOODPUT_RUNS_KEY,
 )
-from sluice.testing.provider import COMPLETIONS_PATH, REQUEST_ID_HEADER, STATS_PATH
+from sluice.testing.provider import COMPLETIONS_PATH, REQUEST_ID_HEADER, STATS_PATH, count_prompt_tokens
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -53,8 +61,11 @@ ENV_PROVIDER = ENV_GOODPUT_PROVIDER
 ENV_REDIS = ENV_GOODPUT_REDIS
 ENV_RUNS_KEY = ENV_GOODPUT_RUNS_KEY
 ENV_CLIENT = ENV_GOODPUT_CLIENT
+ENV_CLIENT_LIMITS = ENV_GOODPUT_CLIENT_LIMITS
 #: how calls are made: Sluice's provider (the default) or a bare httpx client
 CLIENTS = ("provider", "raw")
+#: After the runs key: job id -> Unix time its answered call left the client-side limiter.
+SENT_SUFFIX = ":sent"
 MODEL = "simulated"
 
 #: The benchmark passes --queue and --concurrency; these are only defaults.
@@ -79,6 +90,7 @@ class _Clients:
         self._redis: dict[int, Redis] = {}
         self._idle: dict[int, list[httpx.AsyncClient]] = {}
         self._providers: dict[int, OpenAIProvider] = {}
+        self._limiters: dict[int, ClientLimiter] = {}
 
     def provider(self) -> OpenAIProvider:
         from sluice.llm.openai import OpenAIProvider
@@ -89,6 +101,16 @@ class _Clients:
             base = os.environ[ENV_PROVIDER] + "/v1"
             found = self._providers[loop_id] = OpenAIProvider(
                 base_url=base, api_key_env=None, name="simulated"
+            )
+        return found
+
+    def limiter(self) -> ClientLimiter:
+        """This process's buckets (one pair per event loop: aiolimiter binds to its loop)."""
+        loop_id = id(asyncio.get_running_loop())
+        found = self._limiters.get(loop_id)
+        if found is None:
+            found = self._limiters[loop_id] = ClientLimiter(
+                ClientLimits.from_json(os.environ[ENV_CLIENT_LIMITS])
             )
         return found
 
@@ -185,6 +207,28 @@ async def call_limited(job: JobContext) -> int:
 @worker.handler
 async def call_retry(job: JobContext) -> int:
     """One call with no limits: a 429 fails the attempt, and the job's backoff decides when to retry."""
+    return await _call_retrying(job)
+
+
+@worker.handler
+async def call_client_limited(job: JobContext) -> int:
+    """One call once this process's aiolimiter buckets allow it; a 429 is retried as call_retry's.
+
+    The cost is what the provider's token limit counts, ``prompt + max_tokens``,
+    with the provider's own token count (as a client would use its tokenizer).
+    """
+    payload: dict[str, Any] = job.payload
+    cost = count_prompt_tokens([{"role": "user", "content": payload["prompt"]}]) + payload["max_tokens"]
+    await _clients.limiter().acquire(cost)
+    # The call's dispatch is here, not at the job's start: the benchmark measures from it to arrival.
+    released = time.time()
+    total = await _call_retrying(job)
+    await _clients.redis().hset(os.environ[ENV_RUNS_KEY] + SENT_SUFFIX, job.id, released)
+    return total
+
+
+async def _call_retrying(job: JobContext) -> int:
+    """The call; a 429 raises ProviderRateLimited, an ordinary error the job's backoff retries."""
     if _through_provider():
         from sluice.llm.provider import ProviderThrottled
 

@@ -35,7 +35,8 @@ seconds, and the simulated model always writes ``max_tokens`` tokens, so
 leading messages were seen before reports them as
 ``usage.prompt_tokens_details.cached_tokens`` (a prefix cache, as OpenAI's).
 Embeddings are a hashed bag of words, normalized: deterministic, and texts
-sharing words are close.
+sharing words are close. ``network_delay`` puts a network's distance between
+client and provider, each way (:mod:`sluice.testing.network`).
 
 What a client must survive is scripted, from another process:
 ``POST /_control/faults`` with a JSON list such as ``[{"status": 500},
@@ -76,6 +77,7 @@ from typing import Any, NamedTuple
 
 from sluice.errors import MissingExtra
 from sluice.settings import environment
+from sluice.testing.network import NetworkDelay, check_network_delay
 
 try:
     import uvicorn
@@ -172,7 +174,10 @@ class ProviderLimits:
     refused request still takes a place in the request window, as OpenAI
     documents ("unsuccessful requests contribute to your per-minute limit"),
     so that resending at once keeps the window full; by default only
-    accepted requests count.
+    accepted requests count. ``network_delay``: seconds each way between
+    client and provider (:class:`~sluice.testing.network.NetworkDelay`): a
+    request reaches the limiter that much after it was sent, and its answer
+    (a 429 too) leaves that much before the client has it; 0 to 10.
     """
 
     requests: int | None = None
@@ -181,6 +186,7 @@ class ProviderLimits:
     latency: float = 0.0
     latency_per_token: float = 0.0
     count_rejected: bool = False
+    network_delay: float = 0.0
 
     def __post_init__(self) -> None:
         for name, limit in (("requests", self.requests), ("tokens", self.tokens)):
@@ -191,6 +197,7 @@ class ProviderLimits:
         for name, value in (("latency", self.latency), ("latency_per_token", self.latency_per_token)):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
+        check_network_delay(self.network_delay)
 
     def duration(self, completion_tokens: int) -> float:
         """Seconds an accepted request with this many completion tokens takes."""
@@ -521,7 +528,7 @@ class SimulatedServer:
         self._ids = 0
         self._arrivals: dict[str, float] = {}
         self._requests: deque[dict[str, Any]] = deque(maxlen=REQUESTS_KEPT)
-        self.app = Starlette(
+        routes = Starlette(
             routes=[
                 *self.api_routes(),
                 Route(STATS_PATH, self._stats_endpoint, methods=["GET"]),
@@ -530,6 +537,8 @@ class SimulatedServer:
                 Route(REQUESTS_PATH, self._requests_endpoint, methods=["GET"]),
             ]
         )
+        #: the server as a client reaches it: through the network's delay, if any
+        self.app: ASGIApp = NetworkDelay(routes, limits.network_delay) if limits.network_delay else routes
 
     def api_routes(self) -> list[BaseRoute]:
         """The protocol's routes."""
