@@ -142,6 +142,7 @@ async def _call(job: JobContext) -> httpx.Response:
         "max_tokens": payload["max_tokens"],
     }
     async with _clients.http() as http:
+        job.note_sent()  # the queue's measured headroom (Sluice's providers do this themselves)
         # The job id lets the benchmark match the provider's arrival time with the job's dispatch.
         return await http.post(COMPLETIONS_PATH, json=body, headers={REQUEST_ID_HEADER: job.id})
 
