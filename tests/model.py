@@ -182,8 +182,9 @@ def pace_next(tat: int | None, now: int, cost: int, win_ms: int, limit: int, slo
     return max(tat or 0, now * 1000) + math.ceil(float(cost) * float(win_ms) * 1000.0 / float(limit))
 
 
-#: After a 429: each takes the pacers' factor to 950 per mille of what it is, down to 500, at
-#: most once per 250 ms; it climbs back over 2 of the longest window (at least 1 s).
+#: After a 429: a first one after a quiet spell is only remembered; each further one within the
+#: recovery takes the pacers' factor to 950 per mille of what it is, down to 500, at most once
+#: per 250 ms; it climbs back over 2 of the longest window (at least 1 s).
 SLOW_STEP, SLOW_FLOOR, SLOW_RECOVER, SLOW_QUIET_MS = 950, 500, 2, 250
 
 
@@ -957,7 +958,10 @@ class Model:
         c = self.control
         if until > (c.throttled_until or 0):
             c.throttled_until = until
-        if c.slow_at is None or not (0 <= now - c.slow_at < SLOW_QUIET_MS):
+        recover = SLOW_RECOVER * max(c.rate_ms or 0, c.tpm_ms or 0, 1000)
+        if c.slow_at is None or not (0 <= now - c.slow_at < recover):
+            c.slow_pm, c.slow_at = 1000, now  # a first 429 after a quiet spell: only remembered
+        elif now - c.slow_at >= SLOW_QUIET_MS:
             c.slow_pm = max(SLOW_FLOOR, math.floor(slow_now(c, now) * SLOW_STEP / 1000))
             c.slow_at = now
         self.stats["throttled"] += 1

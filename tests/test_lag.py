@@ -17,7 +17,14 @@ from redis.asyncio import Redis
 
 from sluice import JobContext, JobSpec, Queue
 from sluice.engine.budgets import TOKEN_RATE_BUDGET
-from sluice.engine.lag import MIN_SAMPLES, REPORT_INTERVAL_S, SOON_INTERVAL_S, WINDOW_S, LagMeter
+from sluice.engine.lag import (
+    LEARN_MAX_MS,
+    MIN_SAMPLES,
+    REPORT_INTERVAL_S,
+    SOON_INTERVAL_S,
+    WINDOW_S,
+    LagMeter,
+)
 from tests.proc_harness import WorkerProcs
 from tests.stepping import ids_of as ids
 from tests.stepping import step
@@ -30,30 +37,44 @@ T = 1_800_000_000_000
 # ---- the meter ------------------------------------------------------------------------------------------
 def test_the_meter_takes_the_least_reply_delay_as_the_clock_offset() -> None:
     meter = LagMeter()
-    meter.started(T, at_ms=T + 5)
+    meter.sent(T, at_ms=T + 5)
     assert meter.spread(now_ms=T + 5) is None  # no reply yet: no offset, no sample
     # This host's clock runs 1,000 ms ahead of Redis's; replies took 3 and 1 ms to come back.
     meter.reply(T, received_ms=T + 1003)
     meter.reply(T + 10, received_ms=T + 1011)
-    meter.started(T + 10, at_ms=T + 1016)  # 5 ms after the reply was taken
-    meter.started(T + 10, at_ms=T + 1041)  # 30 ms after
+    meter.sent(T + 10, at_ms=T + 1016)  # 5 ms after the reply was taken
+    meter.sent(T + 10, at_ms=T + 1041)  # 30 ms after
     assert meter.spread(now_ms=T + 1041) == (5.0, 30.0)
 
 
-def test_calls_that_said_when_they_left_win_over_handler_starts() -> None:
+def test_old_samples_leave_the_spread() -> None:
     meter = LagMeter()
     meter.reply(T, received_ms=T)
-    meter.started(T, at_ms=T + 1)
-    meter.started(T, at_ms=T + 2)
-    assert meter.spread(now_ms=T + 2) == (1.0, 2.0)
     meter.sent(T, at_ms=T + 20)
     meter.sent(T, at_ms=T + 45)
     assert meter.spread(now_ms=T + 45) == (20.0, 45.0)
-    # Past the window, old samples leave: only the starts taken since count.
+    # Past the window, old samples leave: only those taken since count.
     later = int(T + WINDOW_S * 1000 + 100)
     meter.reply(later - 50, received_ms=later - 50)
-    meter.started(later - 50, at_ms=later)
+    meter.sent(later - 50, at_ms=later)
     assert meter.spread(now_ms=later) == (50.0, 50.0)
+
+
+def test_a_429_raises_the_highest_delay_by_how_early_the_call_came() -> None:
+    meter = LagMeter()
+    meter.reply(T, received_ms=T)
+    meter.sent(T, at_ms=T + 2)
+    meter.sent(T, at_ms=T + 9)
+    meter.throttled(6.0, at_ms=T + 10)  # the provider asked for 6 ms: the call was early by that
+    meter.throttled(-1.0, at_ms=T + 10)  # (a wait of nothing teaches nothing)
+    assert meter.spread(now_ms=T + 10) == (2.0, 15.0)
+    meter.throttled(900.0, at_ms=T + 11)  # one 429 adds at most LEARN_MAX_MS
+    assert meter.spread(now_ms=T + 11) == (2.0, 9.0 + LEARN_MAX_MS)
+    assert meter.report_due(now_s=100.0) == (2.0, 9.0 + LEARN_MAX_MS)  # due at once
+    # it is forgotten with the samples of its time
+    later = T + WINDOW_S * 1000 + 20
+    meter.sent(T, at_ms=later)
+    assert meter.spread(now_ms=later) == (later - T, later - T)
 
 
 def test_reports_come_soon_at_first_then_every_interval() -> None:
@@ -61,22 +82,22 @@ def test_reports_come_soon_at_first_then_every_interval() -> None:
     meter.reply(T, received_ms=T)
     assert meter.report_due(now_s=100.0) is None  # nothing measured
     for i in range(MIN_SAMPLES):
-        meter.started(T, at_ms=T + i)
+        meter.sent(T, at_ms=T + i)
     assert meter.report_due(now_s=100.0) is not None
-    meter.started(T, at_ms=T + 3)
+    meter.sent(T, at_ms=T + 3)
     assert meter.report_due(now_s=100.0 + SOON_INTERVAL_S) is None  # one sample: not yet
     assert meter.report_due(now_s=100.0 + REPORT_INTERVAL_S) is not None
     assert meter.report_due(now_s=100.0 + 2 * REPORT_INTERVAL_S) is None  # nothing new
 
 
 # ---- the script ------------------------------------------------------------------------------------------
-async def report(queue: Queue, worker: str, lo: float, hi: float, now: int, ttl: int = 10_000) -> int:
+def lag_keys(queue: Queue) -> list[str]:
     k = queue.keys
-    return int(
-        await queue.scripts.lag(
-            keys=[k.control, k.lags, k.budget_prefix + TOKEN_RATE_BUDGET], args=[now, worker, lo, hi, ttl, 0]
-        )
-    )
+    return [k.control, k.lags, k.budget_prefix + TOKEN_RATE_BUDGET, k.budget_log_prefix + TOKEN_RATE_BUDGET]
+
+
+async def report(queue: Queue, worker: str, lo: float, hi: float, now: int, ttl: int = 10_000) -> int:
+    return int(await queue.scripts.lag(keys=lag_keys(queue), args=[now, worker, lo, hi, ttl, 0]))
 
 
 async def test_the_headroom_is_the_spread_over_all_workers(queue: Queue) -> None:
@@ -90,7 +111,7 @@ async def test_the_headroom_is_the_spread_over_all_workers(queue: Queue) -> None
     assert await queue.redis.hkeys(queue.keys.lags) == [b"a"]
     # a leaves: nothing is measured, the least set is what counts
     await queue.scripts.lag(
-        keys=[queue.keys.control, queue.keys.lags, queue.keys.budget_prefix + TOKEN_RATE_BUDGET],
+        keys=lag_keys(queue),
         args=[T + 10_003, "a", 0, 0, 0, 1],
     )
     assert await report(queue, "c", 1.0, 1.0, T + 10_004) == 0
@@ -114,6 +135,28 @@ async def test_the_token_window_counts_over_the_larger_headroom(queue: Queue) ->
     assert await queue.redis.hget(budget, "win_ms") == b"1060"
     await queue.set_pacing(headroom_ms=0)
     assert await queue.redis.hget(budget, "win_ms") == b"1010"
+
+
+async def test_a_token_window_that_grows_is_charged_what_it_dropped_meanwhile(queue: Queue) -> None:
+    # Given 1000 tokens a second (least headroom 0), 500 of them charged over the last second
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
+    await queue.set_token_rate_limit(1000, per=1)
+    await queue.add_bulk(JobSpec("llm", tokens=100) for _ in range(5))
+    for i in range(5):
+        assert len(ids(await step(queue, T + i * 200, want=1))) == 1
+    assert (await queue.flow(now=T + 1000)).tokens_in_window == 400  # the one from T has left
+
+    # When the measured headroom grows to 100 ms, the window would count again what it dropped
+    # in its last 100 ms (the 100 from T): it is charged 400 x 100 / 1000 = 40 in its place,
+    # leaving 50 ms later
+    await report(queue, "a", 0.0, 100.0, T + 1000)
+    flow = await queue.flow(now=T + 1000)
+    assert (flow.effective_headroom_ms, flow.tokens_in_window) == (100, 440)
+    assert (await queue.flow(now=T + 1049)).tokens_in_window == 440
+    assert (await queue.flow(now=T + 1050)).tokens_in_window == 400
+    # and a window that shrinks is charged nothing
+    await report(queue, "a", 0.0, 10.0, T + 1051)
+    assert (await queue.flow(now=T + 1051)).tokens_in_window == 400
 
 
 async def test_the_pacer_spaces_starts_by_the_measured_headroom(queue: Queue) -> None:

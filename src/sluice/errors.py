@@ -324,14 +324,23 @@ class Throttled(Exception):
     attempt and failure counts unchanged. Its token reservation is refunded,
     unless the handler reported usage first (``job.record_usage``): a call the
     provider served and billed before asking to slow down is charged.
+
+    ``asked``: the wait the provider asked for, when ``retry_after`` is that
+    wait held within bounds (Sluice's providers keep a 429's pause within
+    25 ms and 300 s): a paced queue learns from it how early the call came
+    (docs/architecture.md, "The headroom, measured").
     """
 
-    def __init__(self, retry_after: float = 1.0, message: str = "") -> None:
+    def __init__(self, retry_after: float = 1.0, message: str = "", *, asked: float | None = None) -> None:
         if (
             isinstance(retry_after, bool)
             or not isinstance(retry_after, int | float)
             or not (0 <= retry_after <= 86_400)
         ):
             raise ValueError(f"retry_after must be 0 to 86400 seconds, got {retry_after!r}")
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int | float) or asked < 0):
+            raise ValueError(f"asked must be a number of seconds >= 0 or None, got {asked!r}")
         super().__init__(message or f"provider rate limit; retry after {retry_after:g}s")
         self.retry_after = float(retry_after)
+        #: the wait the provider asked for (retry_after when the handler gave no other)
+        self.asked = float(retry_after) if asked is None else float(asked)

@@ -163,7 +163,7 @@ class JobContext:
         by the spread of those delays, so that calls that arrive closer
         together than they were started still fit the provider's window
         (docs/architecture.md, "The pacer"). A handler that never says is
-        measured at its start, which misses what it does before the call.
+        not measured: the queue's least headroom is all it gets.
         """
         if self.sent_noted or self.lag is None or not self.dispatched_ms:
             return

@@ -10,8 +10,11 @@ pacer"), and every worker measures it instead of a person guessing it.
 
 For each attempt the worker takes one sample: from the dispatch (Redis's
 clock, the leasing call's ``now``) to the moment the handler sends its
-request (:meth:`JobContext.note_sent`, which Sluice's providers call), or,
-for a handler that never says, to the moment it starts. The two clocks are
+request (:meth:`JobContext.note_sent`, which Sluice's providers call). A
+handler that never says gives none: its start is no measure (the first
+version took it, and 64 warm-up jobs leased at once before any limit was set
+measured 500 ms of "spread", which then slowed the paced calls that
+followed). The two clocks are
 brought together by the dispatch replies themselves: the smallest
 ``received - now`` seen lately is this host's offset from Redis's clock plus
 the quickest reply, a constant that the spread does not see. Every
@@ -42,6 +45,8 @@ MIN_SAMPLES = 16
 MAX_SAMPLES = 4096
 #: How long a report holds without another (ms): a worker that stops reporting drops out.
 REPORT_TTL_MS = 10_000
+#: The most one 429 adds to this worker's highest delay (ms): what the measure missed.
+LEARN_MAX_MS = 50.0
 
 
 def wall_ms() -> float:
@@ -60,9 +65,10 @@ class LagMeter:
     def __init__(self) -> None:
         #: (received at, received - dispatch now) of dispatch replies: the clock offset's samples
         self._offsets: deque[tuple[float, float]] = deque()
-        #: (taken at, delay ms) of calls sent, and of handler starts (used when no call says)
+        #: (taken at, delay ms) of calls sent
         self._sent: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
-        self._started: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
+        #: (taken at, ms) of the 429s' asked waits: how early calls came that the samples missed
+        self._early: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
         self._new = 0
         self._reported_at = 0.0
 
@@ -76,34 +82,40 @@ class LagMeter:
     def _offset(self) -> float | None:
         return min((o for _, o in self._offsets), default=None)
 
-    def started(self, dispatched_ms: int, at_ms: float | None = None) -> None:
-        """A handler started on a job dispatched at ``dispatched_ms`` (Redis's clock)."""
-        self._sample(self._started, dispatched_ms, at_ms)
-
     def sent(self, dispatched_ms: int, at_ms: float | None = None) -> None:
-        """A handler sent the call its job was dispatched for (the first one of the attempt)."""
-        self._sample(self._sent, dispatched_ms, at_ms)
-
-    def _sample(self, into: deque[tuple[float, float]], dispatched_ms: int, at_ms: float | None) -> None:
+        """A handler sent the call its job was dispatched for (the first one of the attempt),
+        dispatched at ``dispatched_ms`` (Redis's clock)."""
         offset = self._offset()
         if offset is None:
             return
         at = wall_ms() if at_ms is None else at_ms
-        into.append((at, at - dispatched_ms - offset))
+        self._sent.append((at, at - dispatched_ms - offset))
         self._new += 1
 
+    def throttled(self, early_ms: float, at_ms: float | None = None) -> None:
+        """A call got a 429 asking to wait ``early_ms``: it reached the provider about that much
+        before the window had room, which the samples did not show (the part of the delay after
+        the send: the HTTP client, the network, the provider's own queue). For the next
+        WINDOW_S seconds the highest delay reported is that much higher (at most LEARN_MAX_MS
+        per 429), and a report is due at once."""
+        if not early_ms > 0:
+            return
+        self._early.append((wall_ms() if at_ms is None else at_ms, min(early_ms, LEARN_MAX_MS)))
+        self._new += MIN_SAMPLES
+
     def spread(self, now_ms: float | None = None) -> tuple[float, float] | None:
-        """(lowest, highest) delay of the last WINDOW_S seconds, in ms: of the calls sent if any
-        said so lately, else of the handlers' starts; None without a sample."""
+        """(lowest, highest) delay of the calls sent in the last WINDOW_S seconds, in ms, the
+        highest raised by the 429s of that time (see throttled); None without a sample."""
         now = wall_ms() if now_ms is None else now_ms
         since = now - WINDOW_S * 1000
-        for samples in (self._sent, self._started):
-            while samples and samples[0][0] < since:
-                samples.popleft()
-            if samples:
-                delays = [d for _, d in samples]
-                return min(delays), max(delays)
-        return None
+        while self._early and self._early[0][0] < since:
+            self._early.popleft()
+        while self._sent and self._sent[0][0] < since:
+            self._sent.popleft()
+        if not self._sent:
+            return None
+        delays = [d for _, d in self._sent]
+        return min(delays), max(delays) + max((e for _, e in self._early), default=0.0)
 
     def report_due(self, now_s: float | None = None) -> tuple[float, float] | None:
         """The (lowest, highest) to report now, or None when no report is due.

@@ -606,7 +606,12 @@ class Runner:
         k = self.keys
         lo, hi = report if report is not None else (0.0, 0.0)
         await self.queue.scripts.lag(
-            keys=[k.control, k.lags, k.budget_prefix + TOKEN_RATE_BUDGET],
+            keys=[
+                k.control,
+                k.lags,
+                k.budget_prefix + TOKEN_RATE_BUDGET,
+                k.budget_log_prefix + TOKEN_RATE_BUDGET,
+            ],
             args=[script_now(None), self.wid, f"{lo:.3f}", f"{hi:.3f}", REPORT_TTL_MS, int(report is None)],
         )
 
@@ -698,8 +703,6 @@ class Runner:
     async def _execute(self, job: _Running, handler: Handler | None) -> None:
         ctx = job.ctx
         set_current_job(ctx)  # this task's own context: the job's log lines carry it
-        if ctx.dispatched_ms:
-            self.lag.started(ctx.dispatched_ms)
         timer = None
         if job.timeout is not None:
             timer = asyncio.get_running_loop().call_later(job.timeout, self._time_out, job)
@@ -859,6 +862,8 @@ class Runner:
                 exc.retry_after,
                 extra={"worker_id": self.wid, "job_id": ctx.id, "retry_after_s": exc.retry_after},
             )
+            # It came early by about the wait it was asked: the measured headroom takes that in.
+            self.lag.throttled(exc.asked * 1000)
             return b"t", b"%d" % round(exc.retry_after * 1000), 0
         if ctx.attempt >= ctx.max_attempts:
             return self._dead(ctx, _describe(exc), kind=b"f")

@@ -48,10 +48,11 @@ DEFAULT_MAX_CONNECTIONS = 100
 FALLBACK_RETRY_AFTER = 1.0
 #: The shortest pause a 429 gets, whatever it says. A wait of zero or in the past is not
 #: believed (FALLBACK_RETRY_AFTER); a real one of a few ms is, within this floor: the queue
-#: pauses that long, then its pacers run slower for a while (docs/architecture.md, "The
-#: pacer"), so a provider that keeps saying "retry in 1 ms" costs a few calls, not a storm.
+#: pauses that long, and repeated 429s make its pacers run slower for a while
+#: (docs/architecture.md, "After a 429"), so a provider that keeps saying "retry in 1 ms"
+#: costs a few calls, not a storm.
 #: (It was 0.5 s, which cost a paced queue about half a second of its limit per 429.)
-MIN_RETRY_AFTER = 0.05
+MIN_RETRY_AFTER = 0.025
 #: The longest pause one 429 gets: the whole queue stops for it, so one absurd header
 #: (``retry-after: 1e12``) must not stop it for days. A limit still exhausted after this many
 #: seconds costs one more cheap 429 and another pause.
@@ -478,7 +479,11 @@ def error_from_response(
         if asked is not None and asked > MAX_RETRY_AFTER:
             capped = f" (it asked for {asked:g} s; one pause is at most {MAX_RETRY_AFTER:g} s)"
         return ProviderThrottled(
-            provider, wait, f"rate limited ({where}): {said}; retry in {round(wait, 2):g} s{capped}", limits
+            provider,
+            wait,
+            f"rate limited ({where}): {said}; retry in {round(wait, 3):g} s{capped}",
+            limits,
+            asked=asked,
         )
     if (status >= 500 and status != 501) or status in _TRANSIENT_4XX:
         return ProviderUnavailable(

@@ -23,6 +23,7 @@ and are never part of an error message, a log line or a repr.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypedDict, runtime_checkable
@@ -145,9 +146,19 @@ class ProviderThrottled(Throttled):
     ``retry_after`` seconds and the job waits again, its attempt not counted."""
 
     def __init__(
-        self, provider: str, retry_after: float, message: str = "", limits: RateLimits | None = None
+        self,
+        provider: str,
+        retry_after: float,
+        message: str = "",
+        limits: RateLimits | None = None,
+        *,
+        asked: float | None = None,
     ) -> None:
-        super().__init__(min(max(retry_after, 0.0), 86_400.0), f"{provider}: {message or 'rate limited'}")
+        super().__init__(
+            min(max(retry_after, 0.0), 86_400.0),
+            f"{provider}: {message or 'rate limited'}",
+            asked=None if asked is None or not math.isfinite(asked) else min(max(asked, 0.0), 86_400.0),
+        )
         self.provider = provider
         self.limits = limits or RateLimits()
 

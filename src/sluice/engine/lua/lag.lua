@@ -4,7 +4,7 @@
 -- less the lowest (docs/architecture.md, "The pacer").
 --
 -- KEYS[1] control   KEYS[2] lags (hash: worker id -> 'lowest highest expires')
--- KEYS[3] the '#tpm' budget
+-- KEYS[3] the '#tpm' budget  KEYS[4] its log
 -- ARGV[1] now (ms, '' = Redis's clock)  ARGV[2] worker id
 -- ARGV[3] its lowest delay (ms)  ARGV[4] its highest (ms)  ARGV[5] how long the report holds (ms)
 -- ARGV[6] 1 to withdraw the worker's report instead (it is leaving)
@@ -13,7 +13,12 @@
 -- workers than that, a report only ever raises the headroom until the
 -- others expire. A change of the headroom the token-rate window counts over
 -- (the larger of 'headroom_ms' and 'lag_h') rewrites that window's length,
--- as pace.lua does. Returns the measured headroom (ms).
+-- as pace.lua does. A window that grows by d ms would count again the
+-- charges it dropped in its last d ms, which are gone from its log: in their
+-- place it is charged their likely sum, 'used' x d / its old length, as one
+-- charge 'n g:<now>' that leaves it d / 2 ms from now (measured: without it
+-- the token window admitted a call or two too early each time the headroom
+-- grew, and the provider refused them). Returns the measured headroom (ms).
 
 -- @include clock
 
@@ -54,8 +59,16 @@ local was = tonumber(f[1]) or 0
 if h ~= was then
   if h == 0 then redis.call('HDEL', control, 'lag_h') else redis.call('HSET', control, 'lag_h', h) end
   local floor = tonumber(f[2]) or HEADROOM_MS
-  if f[3] == '1' and f[4] and math.max(floor, h) ~= math.max(floor, was) then
+  local grow = math.max(floor, h) - math.max(floor, was)
+  if f[3] == '1' and f[4] and grow ~= 0 then
+    local b = redis.call('HMGET', KEYS[3], 'used', 'win_ms')
+    local used, win = tonumber(b[1]) or 0, tonumber(b[2]) or 0
     redis.call('HSET', KEYS[3], 'win_ms', tonumber(f[4]) + math.max(floor, h))
+    if grow > 0 and win > 0 and used > 0 then
+      local dropped = math.ceil(used * grow / win)
+      redis.call('ZADD', KEYS[4], now - win - math.floor(grow / 2), dropped .. ' g:' .. now)
+      redis.call('HSET', KEYS[3], 'used', used + dropped)
+    end
   end
 end
 return h

@@ -165,10 +165,12 @@ local PACE_HEADROOM_MS = 5
 -- The most the measured headroom may be (lag.lua's LAG_MAX_MS).
 local LAG_KEEP_MS = 500
 
--- After a provider's 429 the pacers run slower for a while: their rate times
--- a factor in per mille (control 'slow_pm', set at 'slow_at') that climbs
--- back to 1000 over SLOW_RECOVER windows of the longest limit. Each 429 takes
--- SLOW_STEP of what the factor is then, down to SLOW_FLOOR, but only one per
+-- After repeated 429s the pacers run slower for a while: their rate times a
+-- factor in per mille (control 'slow_pm', set at 'slow_at') that climbs back
+-- to 1000 over SLOW_RECOVER windows of the longest limit. A first 429 after a
+-- quiet spell is taken for an accident of timing (one call that arrived
+-- late): it is only remembered. Each further one within the recovery takes
+-- SLOW_STEP of what the factor is then, down to SLOW_FLOOR, at most one per
 -- SLOW_QUIET_MS: the calls refused in one burst are one mistake, not several.
 local SLOW_STEP, SLOW_FLOOR, SLOW_RECOVER, SLOW_QUIET_MS = 950, 500, 2, 250
 
@@ -188,7 +190,12 @@ local function slow_down(K, now)
   local f = redis.call('HMGET', K.control, 'slow_pm', 'slow_at', 'rate_ms', 'tpm_ms')
   local at = tonumber(f[2])
   if at and now - at < SLOW_QUIET_MS and now >= at then return end
-  local pm = slow_now(f[1], f[2], slow_recover_ms(f[3], f[4]), now)
+  local recover = slow_recover_ms(f[3], f[4])
+  if not at or now - at >= recover or now < at then
+    redis.call('HSET', K.control, 'slow_pm', 1000, 'slow_at', now)
+    return
+  end
+  local pm = slow_now(f[1], f[2], recover, now)
   redis.call('HSET', K.control, 'slow_pm', math.max(SLOW_FLOOR, math.floor(pm * SLOW_STEP / 1000)),
              'slow_at', now)
 end
