@@ -105,7 +105,7 @@ async def test_the_headroom_is_the_spread_over_all_workers(queue: Queue) -> None
     assert await report(queue, "a", 2.0, 6.0, T) == 4
     assert await report(queue, "b", 23.0, 27.0, T + 1) == 25
     flow = await queue.flow(now=T + 1)
-    assert (flow.headroom_ms, flow.measured_headroom_ms, flow.effective_headroom_ms) == (5, 25, 25)
+    assert (flow.headroom_ms, flow.measured_headroom_ms, flow.effective_headroom_ms) == (20, 25, 25)
     # b's report expires: a's alone counts again at the next report
     assert await report(queue, "a", 2.0, 6.5, T + 10_002) == 5
     assert await queue.redis.hkeys(queue.keys.lags) == [b"a"]
@@ -116,7 +116,7 @@ async def test_the_headroom_is_the_spread_over_all_workers(queue: Queue) -> None
     )
     assert await report(queue, "c", 1.0, 1.0, T + 10_004) == 0
     flow = await queue.flow(now=T + 10_004)
-    assert (flow.measured_headroom_ms, flow.effective_headroom_ms) == (0, 5)
+    assert (flow.measured_headroom_ms, flow.effective_headroom_ms) == (0, 20)
 
 
 async def test_the_measured_headroom_is_bounded(queue: Queue) -> None:
@@ -126,7 +126,7 @@ async def test_the_measured_headroom_is_bounded(queue: Queue) -> None:
 async def test_the_token_window_counts_over_the_larger_headroom(queue: Queue) -> None:
     await queue.set_token_rate_limit(1000, per=1)
     budget = queue.keys.budget_prefix + TOKEN_RATE_BUDGET
-    assert await queue.redis.hget(budget, "win_ms") == b"1005"
+    assert await queue.redis.hget(budget, "win_ms") == b"1020"
     await report(queue, "a", 0.0, 40.0, T)
     assert await queue.redis.hget(budget, "win_ms") == b"1040"
     await queue.set_pacing(headroom_ms=60)  # the least set is larger now

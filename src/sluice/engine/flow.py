@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 DEFAULT_TOLERANCE_MS = 20
 #: The least headroom unless set (ms; the scripts have the same default). The workers'
 #: measured spread of dispatch-to-send delays is used when it is larger (engine/lag.py).
-DEFAULT_HEADROOM_MS = 5
+DEFAULT_HEADROOM_MS = 20
 #: The largest tolerance or headroom accepted (ms).
 MAX_PACING_MS = 60_000
 
@@ -206,9 +206,11 @@ class FlowControl:
         workers measure it (the spread of their dispatch-to-send delays, see
         :meth:`JobContext.note_sent`); ``headroom_ms`` is the least used,
         for what they cannot see (network delays that differ between hosts).
-        Defaults: the pacer on with 20 ms of tolerance, at least 5 ms of
-        headroom. A headroom costs headroom / window of the limit: raise the
-        least on windows of a minute, where 300 ms costs 0.5 %.
+        Defaults: the pacer on with 20 ms of tolerance, at least 20 ms of
+        headroom (what the time from a send to the provider's limiter took
+        beyond the measure on a busy 2-core machine). A headroom costs
+        headroom / window of the limit: 2 % of a 1-second limit, 0.03 % of a
+        per-minute one.
         """
         tolerance = "off" if tolerance_ms is None else _pacing_ms("tolerance_ms", tolerance_ms)
         headroom = _pacing_ms("headroom_ms", headroom_ms)

@@ -24,7 +24,7 @@
 
 local LAGS_MAX = 256
 local LAG_MAX_MS = 500   -- what the measured headroom may reach: past it, a 429 says more
-local HEADROOM_MS = 5    -- the headroom unless set (the default: dispatch.lua)
+local HEADROOM_MS = 20   -- the headroom unless set (the default: dispatch.lua)
 
 local now = clock_ms(ARGV[1])
 local control, lags = KEYS[1], KEYS[2]

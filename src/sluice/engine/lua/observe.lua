@@ -41,7 +41,7 @@ local now = clock_ms(ARGV[1])
 local c = redis.call('HMGET', K.control, 'follow', 'rate_max', 'rate_ms', 'tpm', 'tpm_ms', 'headroom_ms',
                      'lag_h', 'unseen_seq')
 if c[1] == '0' then return {0, 0} end
-local h = math.max(tonumber(c[6]) or 5, tonumber(c[7]) or 0)
+local h = math.max(tonumber(c[6]) or 20, tonumber(c[7]) or 0)
 local rate_max, rate_ms = tonumber(c[2]), tonumber(c[3])
 local tpm = nil
 if c[4] == '1' then tpm = load_budget(K, '#tpm', now) end

@@ -17,7 +17,7 @@ if ARGV[1] == 'tokens' then
   if ARGV[2] == '' then
     redis.call('HDEL', control, 'tpm', 'tpm_ms', 'tat_tok', 'tpm_refund')
   else
-    local h = tonumber(redis.call('HGET', control, 'headroom_ms')) or 5 -- (the default: dispatch.lua)
+    local h = tonumber(redis.call('HGET', control, 'headroom_ms')) or 20 -- (the default: dispatch.lua)
     redis.call('HSET', tpm, 'limit', ARGV[2], 'win', 'roll', 'win_ms', tonumber(ARGV[3]) + math.max(h, lag))
     redis.call('HSETNX', tpm, 'used', 0)
     redis.call('HSET', control, 'tpm', 1, 'tpm_ms', ARGV[3])
