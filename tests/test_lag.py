@@ -74,7 +74,8 @@ async def report(queue: Queue, worker: str, lo: float, hi: float, now: int, ttl:
     k = queue.keys
     return int(
         await queue.scripts.lag(
-            keys=[k.control, k.lags, k.budget_prefix + TOKEN_RATE_BUDGET], args=[now, worker, lo, hi, ttl, 0]
+            keys=[k.control, k.lags, k.budget_prefix + TOKEN_RATE_BUDGET, k.budget_prefix],
+            args=[now, worker, lo, hi, ttl, 0],
         )
     )
 
@@ -90,7 +91,12 @@ async def test_the_headroom_is_the_spread_over_all_workers(queue: Queue) -> None
     assert await queue.redis.hkeys(queue.keys.lags) == [b"a"]
     # a leaves: nothing is measured, the least set is what counts
     await queue.scripts.lag(
-        keys=[queue.keys.control, queue.keys.lags, queue.keys.budget_prefix + TOKEN_RATE_BUDGET],
+        keys=[
+            queue.keys.control,
+            queue.keys.lags,
+            queue.keys.budget_prefix + TOKEN_RATE_BUDGET,
+            queue.keys.budget_prefix,
+        ],
         args=[T + 10_003, "a", 0, 0, 0, 1],
     )
     assert await report(queue, "c", 1.0, 1.0, T + 10_004) == 0

@@ -597,7 +597,7 @@ class Runner:
         k = self.keys
         lo, hi = report if report is not None else (0.0, 0.0)
         await self.queue.scripts.lag(
-            keys=[k.control, k.lags, k.budget_prefix + TOKEN_RATE_BUDGET],
+            keys=[k.control, k.lags, k.budget_prefix + TOKEN_RATE_BUDGET, k.budget_prefix],
             args=[script_now(None), self.wid, f"{lo:.3f}", f"{hi:.3f}", REPORT_TTL_MS, int(report is None)],
         )
 
