@@ -7,12 +7,16 @@ in (tests/stepping.py), through the CLI, and against bad input.
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from redis.asyncio import Redis
 
 from sluice import ConfigurationError, JobRejected, JobSpec, JobState, Queue, RateWindow
 from sluice.engine.budgets import TOKEN_RATE_BUDGET, token_cap_budget
 from tests.stepping import completed, leased, step
 from tests.stepping import ids_of as ids
+from tests.test_cli import invoke
 
 #: A fixed clock for the tests that pass ``now`` (Unix ms).
 T = 1_800_000_000_000
@@ -217,6 +221,20 @@ async def test_an_estimate_larger_than_a_cap_is_rejected_with_the_window_named(q
         await job.result(timeout=1)
 
 
+async def test_the_rate_budgets_are_not_listed_as_budgets(redis: Redis, redis_url: str, prefix: str) -> None:
+    q = Queue("llm", redis=redis, prefix=prefix)
+    await q.set_limits(tokens={"minute": 1000, "day": 5000})
+    await q.budgets.create("team", 10)
+    out = json.loads(
+        (
+            await invoke(
+                "budget", "list", "--json", "--queue", "llm", "--prefix", prefix, "--redis", redis_url
+            )
+        ).stdout
+    )
+    assert [b["name"] for b in out] == ["team"]
+
+
 # ---- bad input -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "said"),
@@ -255,3 +273,57 @@ async def test_an_empty_dict_removes_the_windows_of_its_kind(queue: Queue) -> No
     flow = await queue.flow()
     assert [(w.kind, w.limit) for w in flow.windows] == [("tokens", 30_000), ("tokens", 10**6)]
     assert flow.rate_max is None
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+async def test_flow_set_takes_a_providers_limits(redis: Redis, redis_url: str, prefix: str) -> None:
+    q = Queue("llm", redis=redis, prefix=prefix)
+    where = ["--queue", "llm", "--prefix", prefix, "--redis", redis_url]
+    out = (
+        await invoke(
+            "flow",
+            "set",
+            "--limit",
+            "500/min",
+            "--limit",
+            "10000/day",
+            "--token-limit",
+            "30000/minute",
+            "--token-limit",
+            "1000000/d",
+            *where,
+            env={"COLUMNS": "100"},
+        )
+    ).stdout
+    assert "request rate        500 per 60 s (0 started in the window)" in out
+    assert "request cap         10000 per 86400 s (0 started in it)" in out
+    assert "token cap           1,000,000 per 86400 s (0 in it)" in out
+    flow = await q.flow()
+    assert [(w.kind, w.limit, w.per_seconds, w.paced) for w in flow.windows] == [
+        ("requests", 500, 60.0, True),
+        ("requests", 10_000, 86_400.0, False),
+        ("tokens", 30_000, 60.0, True),
+        ("tokens", 1_000_000, 86_400.0, False),
+    ]
+    shown = json.loads((await invoke("flow", "show", "--json", *where)).stdout)
+    assert shown["windows"][1] == {
+        "kind": "requests",
+        "limit": 10_000,
+        "per_seconds": 86_400.0,
+        "in_window": 0,
+        "paced": False,
+    }
+    # seconds work too; "none" removes a kind's windows
+    await invoke("flow", "set", "--limit", "4/1", "--limit", "100/3600", "--token-limit", "none", *where)
+    assert [(w.kind, w.limit) for w in (await q.flow()).windows] == [("requests", 4), ("requests", 100)]
+    for args, said in (
+        (["--limit", "5/week"], "use N/WINDOW, WINDOW one of s, min, h, day"),
+        (["--limit", "five/min"], "e.g. 500/min or 10000/day"),
+        (["--limit", "5/min", "--limit", "6/60"], "the window of 60 s is given twice"),
+        (["--limit", "500/min", "--limit", "10/day"], "10 per 86400 s must be more than 500 per 60 s"),
+        (["--limit", "5/min", "--rate", "4/1"], "give --rate (the shortest window only) or --limit"),
+        (["--token-limit", "100/0.5"], "tokens window must be from 1 to 86400 seconds"),
+    ):
+        bad = (await invoke("flow", "set", *args, *where, code=2)).output
+        assert said in " ".join(bad.split()), bad
+    assert [w.limit for w in (await q.flow()).windows] == [4, 100]
