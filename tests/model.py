@@ -34,8 +34,12 @@ docs/architecture.md (Flow control, The token ledger):
   step; a job whose budget (or one above it) cannot admit its estimate is
   rejected or parked and the step goes on. A lease counts an attempt, bumps
   the token, reserves the estimate on every level under ``<id>:<token>`` and
-  records a start in the request-rate window. The rate windows count over
-  their length plus the headroom; each rate limit's pacer (unless off) lets
+  records a start in the request-rate log. The rate windows count over
+  their length plus the headroom: each kind's paced one and up to two longer
+  ones (set_limits: request caps counted on the same log, which keeps the
+  longest; token caps as rolling budgets '#tok:<ms>' reserved on beside
+  '#tpm'); a full request window opens when its N-th newest start leaves it;
+  each rate limit's pacer (unless off, on the paced window only) lets
   a start go only when its theoretical arrival time (us) less the tolerance
   is not after now, and moves that time on by the start's cost times
   (window + headroom) / limit (a request costs 1, a token-rate start its
@@ -135,6 +139,8 @@ COUNTERS = (
 
 #: The budget behind the queue's token-rate limit (docs/architecture.md, "Token rate is a rolling budget").
 TOKEN_RATE = "#tpm"  # noqa: S105 - a key name, not a secret
+#: The budgets of the longer token windows (the caps) are this and their window in ms.
+TOKEN_CAP = "#tok:"  # noqa: S105 - a key name, not a secret
 #: The pacer's tolerance when none is set (ms).
 PACE_TOLERANCE_MS = 20
 #: The least headroom when none is set (ms).
@@ -196,6 +202,16 @@ def slow_now(c: Control, now: int) -> int:
     if now - c.slow_at >= recover:
         return 1000
     return math.floor(c.slow_pm + (1000 - c.slow_pm) * max(now - c.slow_at, 0) / recover)
+
+
+def seconds_text(ms: int) -> str:
+    """A window in seconds as the scripts print it (Lua's %.14g): 60, 2.5, 0.12."""
+    return f"{ms / 1000:.14g}"
+
+
+def _window(kind: str, limit: int, ms: int, count: int, *, paced: bool) -> dict[str, Any]:
+    """One of FlowState.windows, as dataclasses.asdict renders it."""
+    return {"kind": kind, "limit": limit, "per_seconds": ms / 1000, "in_window": count, "paced": paced}
 
 
 def lua_number(text: str) -> int:
@@ -468,8 +484,12 @@ class Control:
     tat_req: int | None = None  # the pacers' theoretical arrival times (us)
     tat_tok: int | None = None
     slow_pm: int | None = None  # the pacers' factor after a 429 (per mille), and when it was set
-    tpm_refund: bool = False  # the token-rate window gives back usage below the estimate
+    tpm_refund: bool = False  # the token-rate windows give back usage below the estimate
     slow_at: int | None = None
+    #: the request windows beyond the paced one, (ms, limit), shortest first
+    rate_caps: list[tuple[int, int]] = field(default_factory=list)
+    #: the token windows beyond the paced one (ms), shortest first: budgets TOKEN_CAP + ms
+    tok_caps: list[int] = field(default_factory=list)
 
     @property
     def headroom(self) -> int:
@@ -495,6 +515,10 @@ class Control:
             h["tpm"] = "1"
         if self.tpm_refund:
             h["tpm_refund"] = "1"
+        if self.rate_caps:
+            h["rate_caps"] = " ".join(f"{ms}:{n}" for ms, n in self.rate_caps)
+        if self.tok_caps:
+            h["tok_caps"] = " ".join(map(str, self.tok_caps))
         for name, value in (
             ("throttled_until", self.throttled_until),
             ("concurrency", self.concurrency),
@@ -530,7 +554,6 @@ class Model:
     wake: bool = False
     control: Control = field(default_factory=Control)
     starts: dict[str, int] = field(default_factory=dict)  # request-rate log: <id>:<token> -> start
-    in_window: dict[str, int] = field(default_factory=dict)  # those the window counts, this call
     slow: int = 1000  # the pacers' factor this call (per mille)
     budgets: dict[str, ModelBudget] = field(default_factory=dict)
     resv: dict[str, ModelReservation] = field(default_factory=dict)
@@ -542,6 +565,9 @@ class Model:
     _retry_cache: dict[str, float] = field(default_factory=dict)  # budget -> retry time, per step
     _refused: set[str] = field(default_factory=set)  # gates that refused during this step
     paced: bool = False  # a pacer refused during the last step (for the tests' statistics)
+    #: the kinds (requests, tokens) of which a window beyond the paced one was full during the
+    #: last step (the same)
+    capped: set[str] = field(default_factory=set)
     stepped: bool = False  # a dispatch call made the queue's epoch
 
     # ---- derived views ---------------------------------------------------------------
@@ -581,7 +607,7 @@ class Model:
             if b.win == "roll":  # the log holds what the window counts
                 counted = [amount for _, amount in b.log.values()]
                 for rid, (_, amount) in b.log.items():  # the reservation's amount, but for overuse
-                    assert amount == everything[rid].amt or b.name == TOKEN_RATE, (b.name, rid)
+                    assert amount == everything[rid].amt or b.name.startswith("#"), (b.name, rid)
             else:
                 counted = [
                     r.amt
@@ -660,7 +686,7 @@ class Model:
             if job.state == DELAYED and job.run_at <= now:
                 job.state = WAITING
         self._refused = set()
-        self.paced = False
+        self.paced, self.capped = False, set()
         leased, wait = self._take(now, want, lease_ms, worker)
         if want > 0:  # each gate that refused counts once per call, however many jobs it refused
             for gate in self._refused:
@@ -676,16 +702,27 @@ class Model:
             self.wake = True
         return codes, due, leased
 
+    def _request_windows(self) -> list[tuple[int, int]]:
+        """The request windows as (W + h, limit): the paced one, then the caps."""
+        c = self.control
+        return [(ms + c.headroom, n) for ms, n in [(c.rate_ms or 0, c.rate_max or 0), *c.rate_caps]]
+
+    def _token_windows(self) -> list[ModelBudget]:
+        """The token windows' budgets: the paced one ('#tpm'), then the caps."""
+        caps = [self.budgets[TOKEN_CAP + str(ms)] for ms in self.control.tok_caps]
+        return [self.budgets[TOKEN_RATE], *caps]
+
     def _load_gates(self, now: int) -> None:
         c = self.control
         self.slow = slow_now(c, now)
-        if c.rate_max is not None:  # the request-rate log keeps the starts of the last rate_ms + headroom
-            window = (c.rate_ms or 0) + c.headroom  # (and LAG_KEEP_MS more, not counted)
-            keep = window + (c.rate_ms or 0) + LAG_KEEP_MS
-            self.starts = {m: at for m, at in self.starts.items() if at > now - keep}
-            self.in_window = {m: at for m, at in self.starts.items() if at > now - window}
+        if c.rate_max is not None:  # the request-rate log keeps the starts of the longest window + headroom,
+            # and of the paced one's twice (observe.lua compares answers with it), and LAG_KEEP_MS more
+            paced = (c.rate_ms or 0) + c.headroom
+            keep = max(paced + (c.rate_ms or 0), *(win for win, _ in self._request_windows()))
+            self.starts = {m: at for m, at in self.starts.items() if at > now - keep - LAG_KEEP_MS}
         if c.tpm:
-            self._consult(TOKEN_RATE, now)
+            for b in self._token_windows():
+                self._consult(b.name, now)
 
     def _queue_wait(self, now: int) -> int:
         """0 if the queue-wide gates are open; else when they open (ms), or -1: on an event."""
@@ -702,8 +739,12 @@ class Model:
         if c.rate_max is not None:
             wait = pace_wait(c, c.tat_req, now)
             self.paced = self.paced or wait != 0
-            if len(self.in_window) >= c.rate_max:
-                wait = max(wait, min(self.in_window.values()) + (c.rate_ms or 0) + c.headroom)
+            for i, (win, most) in enumerate(self._request_windows()):
+                # a full window opens when its N-th newest start leaves it
+                if sum(at > now - win for at in self.starts.values()) >= most:
+                    wait = max(wait, sorted(self.starts.values())[-most] + win)
+                    if i > 0:
+                        self.capped.add("requests")
             if wait != 0:
                 self._refused.add("rate")
                 return wait
@@ -732,23 +773,28 @@ class Model:
         """The levels to reserve on; or when the token-rate window frees enough (the queue
         waits); or None: the job was rejected or parked."""
         tokens = job.spec.tokens
-        tpm = self.budgets[TOKEN_RATE] if self.control.tpm else None
-        if tpm is not None:
-            if tokens > tpm.limit:
+        windows = self._token_windows() if self.control.tpm else []
+        for b in windows:
+            if tokens > b.limit:
                 self._refused.add("token_rate")
+                per = "" if b.name == TOKEN_RATE else f" per {seconds_text(int(b.name[len(TOKEN_CAP) :]))} s"
                 self._reject(
                     now,
                     job,
-                    f"token estimate {tokens} exceeds the queue token-rate limit of {tpm.limit}; "
+                    f"token estimate {tokens} exceeds the queue token-rate limit of {b.limit}{per}; "
                     "split the job or raise the limit",
                 )
                 return None
+        if windows:
             wait = pace_wait(self.control, self.control.tat_tok, now) if tokens > 0 else 0
             self.paced = self.paced or wait != 0
-            if tpm.used + tokens > tpm.limit:
-                free_at = self._free_at(tpm, tokens)
-                assert free_at is not None, "a rolling window holds what it counts"
-                wait = max(wait, free_at)
+            for b in windows:
+                if b.used + tokens > b.limit:
+                    if b.name != TOKEN_RATE:
+                        self.capped.add("tokens")
+                    free_at = self._free_at(b, tokens)
+                    assert free_at is not None, "a rolling window holds what it counts"
+                    wait = max(wait, free_at)
             if wait != 0:
                 self._refused.add("token_rate")
                 return wait
@@ -764,7 +810,7 @@ class Model:
                 self._refused.add("budget")
                 self._refuse(now, job, refusing)
                 return None
-        return levels + ([tpm] if tpm is not None else [])
+        return levels + windows
 
     def _refuse(self, now: int, job: ModelJob, b: ModelBudget) -> None:
         """A budget level cannot admit the job's estimate: park it, or reject it."""
@@ -810,7 +856,6 @@ class Model:
         c = self.control
         if c.rate_max is not None:
             self.starts[attempt_id] = now
-            self.in_window[attempt_id] = now
             if c.pace:
                 c.tat_req = pace_next(c.tat_req, now, 1, (c.rate_ms or 0) + c.headroom, c.rate_max, self.slow)
         if c.tpm and c.pace:
@@ -1084,31 +1129,67 @@ class Model:
         self.control.concurrency = limit
         self.wake = True
 
-    def set_rate_limit(self, max_starts: int | None, per_ms: int) -> None:
-        self.control.rate_max = max_starts
-        self.control.rate_ms = None if max_starts is None else per_ms
-        self.control.tat_req = None  # a new limit starts its pacer afresh
-        self.wake = True
-
-    def set_token_rate_limit(self, tokens: int | None, per_ms: int, refund_unused: bool = False) -> None:
-        """The token-rate budget keeps what it counts when its limit or window changes,
-        and while the limit is off."""
-        self.wake = True
+    def set_rate_limit(self, max_starts: int | None, per_ms: int) -> bool:
+        """Queue.set_rate_limit: the paced request window (None removes every request window).
+        False: refused, nothing changed: it must stay shorter and lower than each cap."""
         c = self.control
-        c.tat_tok = None
-        c.tpm_refund = tokens is not None and refund_unused
-        if tokens is None:
-            c.tpm, c.tpm_ms = False, None
-            return
-        b = self.budgets.get(TOKEN_RATE)
-        if b is None:
-            self.budgets[TOKEN_RATE] = ModelBudget(TOKEN_RATE, tokens, "roll", per_ms + c.headroom)
+        if max_starts is None:
+            return self.set_request_windows([])
+        if any(ms <= per_ms or n <= max_starts for ms, n in c.rate_caps):
+            return False
+        return self.set_request_windows([(per_ms, max_starts), *c.rate_caps])
+
+    def set_request_windows(self, windows: list[tuple[int, int]]) -> bool:
+        """Queue.set_limits(requests=...): the windows as (ms, limit), shortest first (none
+        removes them all). The starts log stays as it is."""
+        c = self.control
+        c.tat_req = None  # a new limit starts its pacer afresh
+        if windows:
+            (c.rate_ms, c.rate_max), c.rate_caps = windows[0], list(windows[1:])
         else:
-            b.limit, b.win, b.win_ms = tokens, "roll", per_ms + c.headroom
-        c.tpm, c.tpm_ms = True, per_ms
+            c.rate_ms, c.rate_max, c.rate_caps = None, None, []
+        self.wake = True
+        return True
+
+    def set_token_rate_limit(self, tokens: int | None, per_ms: int, refund_unused: bool = False) -> bool:
+        """Queue.set_token_rate_limit: the paced token window (None removes every token window).
+        False: refused, nothing changed: it must stay shorter and lower than each cap."""
+        c = self.control
+        if tokens is None:
+            return self.set_token_windows([], False)
+        caps = [(ms, self.budgets[TOKEN_CAP + str(ms)].limit) for ms in c.tok_caps]
+        if any(ms <= per_ms or n <= tokens for ms, n in caps):
+            return False
+        return self.set_token_windows([(per_ms, tokens), *caps], refund_unused)
+
+    def set_token_windows(self, windows: list[tuple[int, int]], refund_unused: bool) -> bool:
+        """Queue.set_limits(tokens=...): the windows as (ms, limit), shortest first (none
+        removes them all). A window's budget keeps what it counts when its limit changes;
+        the token-rate budget ('#tpm', the first) also when its window changes and while the
+        limit is off; a cap that goes is deleted with its log."""
+        c = self.control
+        kept = {ms for ms, _ in windows[1:]}
+        for ms in c.tok_caps:
+            if ms not in kept:
+                del self.budgets[TOKEN_CAP + str(ms)]
+        self.wake = True
+        c.tat_tok = None
+        c.tpm_refund = bool(windows) and refund_unused
+        if not windows:
+            c.tpm, c.tpm_ms, c.tok_caps = False, None, []
+            return True
+        for i, (ms, limit) in enumerate(windows):
+            name = TOKEN_RATE if i == 0 else TOKEN_CAP + str(ms)
+            b = self.budgets.get(name)
+            if b is None:
+                self.budgets[name] = ModelBudget(name, limit, "roll", ms + c.headroom)
+            else:
+                b.limit, b.win, b.win_ms = limit, "roll", ms + c.headroom
+        c.tpm, c.tpm_ms, c.tok_caps = True, windows[0][0], [ms for ms, _ in windows[1:]]
+        return True
 
     def set_pacing(self, tolerance_ms: int | None, headroom_ms: int) -> None:
-        """Queue.set_pacing: both pacers start afresh; the token-rate window counts over its
+        """Queue.set_pacing: both pacers start afresh; the token-rate windows count over their
         nominal length plus the new headroom."""
         c = self.control
         c.tolerance = "off" if tolerance_ms is None else str(tolerance_ms)
@@ -1117,6 +1198,8 @@ class Model:
         if c.tpm:
             assert c.tpm_ms is not None
             self.budgets[TOKEN_RATE].win_ms = c.tpm_ms + headroom_ms
+            for ms in c.tok_caps:
+                self.budgets[TOKEN_CAP + str(ms)].win_ms = ms + headroom_ms
         self.wake = True
 
     def pause(self) -> None:
@@ -1139,6 +1222,17 @@ class Model:
         c = self.control
         tpm = self.budget_read(now, TOKEN_RATE) if c.tpm else None
         until = c.throttled_until or 0
+        windows: list[dict[str, Any]] = []
+        if c.rate_max is not None:
+            for i, (ms, n) in enumerate([(c.rate_ms or 0, c.rate_max), *c.rate_caps]):
+                count = sum(at > now - ms - c.headroom for at in self.starts.values())
+                windows.append(_window("requests", n, ms, count, paced=i == 0))
+        if tpm is not None:
+            windows.append(_window("tokens", tpm["limit"], c.tpm_ms or 0, tpm["used"], paced=True))
+            for ms in c.tok_caps:
+                cap = self.budget_read(now, TOKEN_CAP + str(ms))
+                assert cap is not None
+                windows.append(_window("tokens", cap["limit"], ms, cap["used"], paced=False))
         return {
             "paused": c.paused,
             "throttled_until_ms": until if until > now else None,
@@ -1158,6 +1252,7 @@ class Model:
             "pace_factor_pm": slow_now(c, now),
             "follows_provider": True,  # (the model's workers report no provider's figures)
             "unseen_requests": 0,
+            "windows": tuple(windows),
         }
 
     # ---- the ledger ----------------------------------------------------------------------
@@ -1244,7 +1339,7 @@ class Model:
         b.used = max(b.used + d, 0)
         if b.win == "roll":
             b.log[rid] = (b.log[rid][0], r.amt + d)
-        if d > 0 and b.name != TOKEN_RATE:
+        if d > 0 and not b.name.startswith("#"):
             b.counters["beyond"] = b.counters.get("beyond", 0) + d
             if was <= b.admits < b.used:
                 self._emit(
@@ -1282,10 +1377,10 @@ class Model:
         levels = [b for i, b in present if self._counted(b, r, i)]
         d = target - r.amt
         freed = False
-        # The token-rate window keeps what the provider's limiter counted (see ledger.lua).
+        # The token-rate windows ('#...') keep what the provider's limiter counted (see ledger.lua).
         tpm_keeps = how == "commit" and d < 0 and not self.control.tpm_refund
         for b in levels:
-            if not (tpm_keeps and b.name == TOKEN_RATE):
+            if not (tpm_keeps and b.name.startswith("#")):
                 freed = self._settle_level(now, b, r, d, job_id) or freed
         if d > 0:
             r.beyond = d

@@ -60,7 +60,7 @@ async def test_budget_and_flow_commands_change_the_queue(redis: Redis, redis_url
     assert (f.paused, f.throttled_until_ms, f.rate_max, f.concurrency) == (False, None, None, 4)
     assert "request rate        none" in out
     nothing = await invoke("flow", "set", *where, code=2)
-    assert "give --concurrency, --rate, --tokens, --tolerance-ms or --headroom-ms" in nothing.output
+    assert "give --concurrency, --rate, --tokens, --limit, --token-limit, --tolerance-ms or" in nothing.output
     # the pacing: one setting changes, the other stays
     out = (await invoke("flow", "set", "--headroom-ms", "30", *where)).stdout
     assert "20 ms tolerance, 30 ms headroom (at least 30; none measured lately)" in out

@@ -93,7 +93,7 @@ def test_reports_come_soon_at_first_then_every_interval() -> None:
 # ---- the script ------------------------------------------------------------------------------------------
 def lag_keys(queue: Queue) -> list[str]:
     k = queue.keys
-    return [k.control, k.lags, k.budget_prefix + TOKEN_RATE_BUDGET, k.budget_log_prefix + TOKEN_RATE_BUDGET]
+    return [k.control, k.lags, k.budget_prefix, k.budget_log_prefix]
 
 
 async def report(queue: Queue, worker: str, lo: float, hi: float, now: int, ttl: int = 10_000) -> int:

@@ -70,7 +70,7 @@ async def test_json_is_unchanged_and_prometheus_shows_the_queue_as_a_worker_left
     made = await api.client.post("/v1/budgets", json={"name": "team-a", "limit": 5000})
     assert made.status_code == 201
     await queue.budgets.reserve("team-a", 300, "r-1")
-    await queue.set_rate_limit(50, per=1.0)
+    await queue.set_limits(requests={"second": 50, "day": 10_000})
     ok = (await api.client.post("/enqueue", json={"type": "generic", "payload": {}})).json()["taskId"]
     await api.client.post("/enqueue", json={"type": "generic", "payload": {"fail": True}, "maxRetries": 0})
     await api.client.post("/v1/jobs", json={"type": "generic", "payload": {}, "delay_ms": 3_600_000})
@@ -124,6 +124,9 @@ async def test_json_is_unchanged_and_prometheus_shows_the_queue_as_a_worker_left
     assert value(found, "sluice_redis_up", queue=q) == 1
     assert value(found, "sluice_queue_rate_limit_starts", queue=q) == 50
     assert value(found, "sluice_queue_rate_window_seconds", queue=q) == 1
+    day = {"queue": q, "kind": "requests", "window_seconds": "86400"}
+    assert value(found, "sluice_queue_window_limit", **day) == 10_000
+    assert value(found, "sluice_queue_window_count", **day) == 2  # the two jobs the worker ran
     assert value(found, "sluice_queue_paused", queue=q) == 0
     assert value(found, "sluice_queue_pressure", queue=q) >= 0
     assert value(found, "sluice_reservations_held", queue=q) == 1

@@ -4,15 +4,16 @@ the flow controls and the token ledger.
 A hypothesis state machine applies one random sequence of operations (add,
 advance or jump the clock, step with outcomes, extend, reap, cancel, redrive,
 purge; set and clear the global concurrency, the request- and token-rate
-limits, set the pacing, pause, resume, throttle; create budgets with and without parents and
-windows, top them up, set their limits, read them; reserve, commit and
-refund directly) to a real Redis, through Queue, and to tests/model.py, and
-after every operation compares everything: each job's hash (state, attempt,
-failures, stalls, token, times, result, error, cancel request, tokens,
-budget, reservation id, usage, parked budget, TTL), the four sorted sets with
-their scores (so the dispatch order of waiting jobs), the sequence,
-idempotency keys, the counters and counts(), the wake marker, the event
-stream, the control hash, the request-rate window, every budget record,
+limits and their longer windows (set_limits), set the pacing, pause, resume,
+throttle; create budgets with and without parents and windows, top them up,
+set their limits, read them; reserve, commit and refund directly) to a real
+Redis, through Queue, and to tests/model.py, and after every operation
+compares everything: each job's hash (state, attempt, failures, stalls,
+token, times, result, error, cancel request, tokens, budget, reservation id,
+usage, parked budget, TTL), the four sorted sets with their scores (so the
+dispatch order of waiting jobs), the sequence, idempotency keys, the
+counters and counts(), the wake marker, the event stream, the control hash,
+the request-rate log, every budget record (the token-rate windows' too),
 rolling log, parked set and the parkedby schedule, every reservation record
 (and whether it expires), and the set of keys the queue owns. Each
 operation's answer is compared too (step's codes, leased jobs in order and
@@ -56,6 +57,7 @@ from redis.asyncio import Redis
 from sluice import (
     BudgetError,
     BudgetNotFound,
+    ConfigurationError,
     JobNotFound,
     JobRecord,
     JobSpec,
@@ -120,6 +122,11 @@ TOKENS = (0, 3, 5, 9)
 BUDGET_TOKENS = (1, 3, 5, 9)
 #: Reservation ids of direct reservations (the dispatch script's are <job id>:<token>).
 RIDS = ("r1", "r2", "r3")
+#: Windows (ms) and limits set_limits draws from, per kind: caps that fill within a few steps.
+WINDOW_CHOICES = {
+    "requests": ((50, 120, 300, 1000), (1, 2, 3, 4)),
+    "tokens": ((1000, 2500, 5000), (8, 15, 25, 40)),
+}
 
 
 class Clock:
@@ -489,8 +496,11 @@ class QueueMachine(RuleBasedStateMachine):
         c = m.control
         if c.throttled_until is not None:
             times.append(c.throttled_until)
-        if c.rate_ms and m.starts:
-            times.append(min(m.starts.values()) + c.rate_ms + c.headroom)
+        if c.rate_max is not None and m.starts:
+            # when each request window's oldest start leaves it, and when a full one opens
+            times += [min(m.starts.values()) + win for win, _ in m._request_windows()]
+            ordered = sorted(m.starts.values())
+            times += [ordered[-most] + win for win, most in m._request_windows() if most <= len(ordered)]
         # when the pacers let the next start go
         times += [math.ceil((tat - c.tau_us) / 1000) for tat in (c.tat_req, c.tat_tok) if tat is not None]
         times += [min(at for at, _ in b.log.values()) + b.win_ms for b in m.budgets.values() if b.log]
@@ -573,6 +583,8 @@ class QueueMachine(RuleBasedStateMachine):
         event(f"step: leased {len(leased)} of {want}")
         if self.model.paced:
             event("step: a pacer refused")
+        for capped in self.model.capped:
+            event(f"step: a longer {capped} window was full")
         for ev in {e[0] for e in self.model.events[before:]} & {"rejected", "parked", "throttled"}:
             event(f"step: {ev}")
 
@@ -711,7 +723,9 @@ class QueueMachine(RuleBasedStateMachine):
     # ---- flow controls ----------------------------------------------------------------------------------
     @rule(
         data=st.data(),
-        gate=st.sampled_from(["concurrency", "rate", "token rate", "pacing", "pause or resume", "throttle"]),
+        gate=st.sampled_from(
+            ["concurrency", "rate", "token rate", "windows", "pacing", "pause or resume", "throttle"]
+        ),
     )
     def flow(self, data: st.DataObject, gate: str) -> None:
         """Set or clear one of the queue's gates (through Queue's FlowControl methods)."""
@@ -724,14 +738,17 @@ class QueueMachine(RuleBasedStateMachine):
         elif gate == "rate":
             most = data.draw(st.sampled_from([None, 1, 2, 3]), label="max starts")
             per_ms = data.draw(st.sampled_from([50, 120, 200]), label="per ms")
-            m.set_rate_limit(most, per_ms)
-            self.run(q.set_rate_limit(most, per_ms / 1000))
+            self.refused_unless(m.set_rate_limit(most, per_ms), q.set_rate_limit(most, per_ms / 1000))
         elif gate == "token rate":
             tokens = data.draw(st.sampled_from([None, 8, 15, 40]), label="tokens")
             per_ms = data.draw(st.sampled_from([1000, 2500]), label="per ms")
             refund = data.draw(st.booleans(), label="refund unused")
-            m.set_token_rate_limit(tokens, per_ms, refund)
-            self.run(q.set_token_rate_limit(tokens, per_ms / 1000, refund_unused=refund))
+            self.refused_unless(
+                m.set_token_rate_limit(tokens, per_ms, refund),
+                q.set_token_rate_limit(tokens, per_ms / 1000, refund_unused=refund),
+            )
+        elif gate == "windows":
+            self.set_windows(data)
         elif gate == "pacing":
             tolerance = data.draw(st.sampled_from([None, 0, 20, 100]), label="tolerance ms")
             headroom = data.draw(st.sampled_from([0, 0, 30]), label="headroom ms")
@@ -748,6 +765,38 @@ class QueueMachine(RuleBasedStateMachine):
             m.pause()
             self.run(q.pause())
 
+    def refused_unless(self, accepted: bool, change: Awaitable[None]) -> None:
+        """A change of the paced window: the model says whether the caps let it through."""
+        if accepted:
+            self.run(change)
+        else:
+            event("flow: a paced window refused (not shorter and lower than a cap)")
+            with pytest.raises(ConfigurationError):
+                self.run(change)
+
+    def set_windows(self, data: st.DataObject) -> None:
+        """Queue.set_limits: one to three windows of requests, of tokens, or both (an empty
+        dict removes a kind's), each longer one admitting more."""
+        m = self.model
+        both = ("requests", "tokens")
+        kinds = data.draw(st.sampled_from([both[:1], both[1:], both]), label="kinds")
+        given: dict[str, dict[float, int]] = {}
+        for kind in kinds:
+            pers, limits = WINDOW_CHOICES[kind]
+            size = data.draw(st.sampled_from([0, 1, 2, 2, 3]), label=f"{kind} windows")
+            ms = sorted(data.draw(st.lists(st.sampled_from(pers), min_size=size, max_size=size, unique=True)))
+            most = sorted(
+                data.draw(st.lists(st.sampled_from(limits), min_size=size, max_size=size, unique=True))
+            )
+            given[kind] = {w / 1000: n for w, n in zip(ms, most, strict=True)}
+            event(f"flow: {len(ms)} {kind} windows")
+        refund = "tokens" in given and data.draw(st.booleans(), label="refund unused")
+        if "requests" in given:
+            m.set_request_windows([(round(w * 1000), n) for w, n in given["requests"].items()])
+        if "tokens" in given:
+            m.set_token_windows([(round(w * 1000), n) for w, n in given["tokens"].items()], refund)
+        self.run(self.queue.set_limits(**given, refund_unused=refund))
+
     @precondition(lambda self: self.model.control.paused)
     @rule()
     def resume(self) -> None:
@@ -758,7 +807,7 @@ class QueueMachine(RuleBasedStateMachine):
     # ---- the ledger -------------------------------------------------------------------------------------
     def budget_name(self) -> st.SearchStrategy[str]:
         """Mostly a budget that exists; sometimes one that does not."""
-        names = sorted(name for name in self.model.budgets if name != TOKEN_RATE)
+        names = sorted(name for name in self.model.budgets if not name.startswith("#"))
         missing = st.sampled_from([*BUDGETS, NO_BUDGET])
         return st.one_of(st.sampled_from(names), st.sampled_from(names), missing) if names else missing
 
@@ -794,6 +843,7 @@ class QueueMachine(RuleBasedStateMachine):
         starts=st.sampled_from([None, None, 1, 2]),
         concurrency=st.sampled_from([None, None, None, 2]),
         pacing=st.sampled_from([None, None, (None, 0), (100, 30)]),
+        caps=st.sampled_from([False, False, True]),
     )
     def first_gates(
         self,
@@ -801,20 +851,22 @@ class QueueMachine(RuleBasedStateMachine):
         starts: int | None,
         concurrency: int | None,
         pacing: tuple[int | None, int] | None,
+        caps: bool,
     ) -> None:
         """Half the examples start with a token-rate limit, half with a request-rate limit
-        (the window: 120 ms), a quarter with a global concurrency; half with the default
-        pacing, a quarter without a pacer, a quarter with a wide tolerance and headroom."""
+        (the window: 120 ms), a third of those with a longer window beside it (set_limits); a
+        quarter with a global concurrency; half with the default pacing, a quarter without a
+        pacer, a quarter with a wide tolerance and headroom."""
         m, q = self.model, self.queue
         if pacing is not None:
             m.set_pacing(*pacing)
             self.run(q.set_pacing(tolerance_ms=pacing[0], headroom_ms=pacing[1]))
         if tokens is not None:
-            m.set_token_rate_limit(tokens, 1000)
-            self.run(q.set_token_rate_limit(tokens, 1.0))
+            m.set_token_windows([(1000, tokens), *([(2500, tokens + 7)] if caps else [])], False)
+            self.run(q.set_limits(tokens={1: tokens, **({2.5: tokens + 7} if caps else {})}))
         if starts is not None:
-            m.set_rate_limit(starts, 120)
-            self.run(q.set_rate_limit(starts, 0.12))
+            m.set_request_windows([(120, starts), *([(300, starts + 1)] if caps else [])])
+            self.run(q.set_limits(requests={0.12: starts, **({0.3: starts + 1} if caps else {})}))
         if concurrency is not None:
             m.set_concurrency(concurrency)
             self.run(q.set_global_concurrency(concurrency))
@@ -964,6 +1016,88 @@ def test_scripts_match_model(machine_loop: None) -> None:
         QueueMachine,
         settings=settings(
             max_examples=120,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+#: Jobs that only the flow gates decide on: no budget, token estimates from TOKENS.
+plain_specs = st.builds(
+    JobSpec,
+    name=st.just("a"),
+    priority=st.integers(0, 1),
+    max_attempts=st.sampled_from([2, 3]),
+    tokens=st.sampled_from(TOKENS),
+)
+
+
+class WindowsMachine(QueueMachine):
+    """The same machine with every example starting with two or three windows of each kind,
+    the longer ones tight enough to fill within a few steps, and more jobs without budgets:
+    the windows beyond the paced one (set_limits) decide often."""
+
+    @initialize(batch=st.lists(plain_specs, min_size=4, max_size=8))
+    def first_jobs(self, batch: list[JobSpec]) -> None:
+        self.add(batch)
+
+    @initialize(
+        requests=st.lists(st.sampled_from([(50, 1), (120, 2), (400, 3), (1000, 4)]), min_size=2, max_size=3),
+        tokens=st.lists(st.sampled_from([(1000, 12), (2500, 18), (5000, 25)]), min_size=2, max_size=3),
+        pacing=st.sampled_from([None, (None, 0), (100, 30)]),
+    )
+    def first_gates(
+        self,
+        requests: list[tuple[int, int]],
+        tokens: list[tuple[int, int]],
+        pacing: tuple[int | None, int] | None,
+    ) -> None:
+        m, q = self.model, self.queue
+        if pacing is not None:
+            m.set_pacing(*pacing)
+            self.run(q.set_pacing(tolerance_ms=pacing[0], headroom_ms=pacing[1]))
+        given = {
+            kind: dict(sorted(set(windows))) for kind, windows in (("requests", requests), ("tokens", tokens))
+        }
+        m.set_request_windows(sorted(given["requests"].items()))
+        m.set_token_windows(sorted(given["tokens"].items()), False)
+        self.run(
+            q.set_limits(
+                requests={ms / 1000: n for ms, n in given["requests"].items()},
+                tokens={ms / 1000: n for ms, n in given["tokens"].items()},
+            )
+        )
+
+    @rule(batch=st.lists(plain_specs, min_size=2, max_size=5))
+    def add_plain(self, batch: list[JobSpec]) -> None:
+        self.add(batch)
+
+    @rule(
+        data=st.data(),
+        ms=st.sampled_from([0, 20, 60, 130, 400]),
+        rounds=st.integers(2, 6),
+        worker=st.sampled_from(WORKERS),
+    )
+    def work_a_while(self, data: st.DataObject, ms: int, rounds: int, worker: str) -> None:
+        """A worker that completes what it runs and takes more, a few times ``ms`` apart."""
+        for _ in range(rounds):
+            self.clock.now += ms
+            current = [(i, str(j.token).encode()) for i, j in self.model.jobs.items() if j.state == ACTIVE]
+            usages = data.draw(
+                st.lists(st.sampled_from(USAGES), min_size=len(current), max_size=len(current))
+            )
+            drawn = [(lease, (b"c", b"1"), 0, usage) for lease, usage in zip(current, usages, strict=True)]
+            self.do_step(2, 250, worker, drawn)
+
+
+@pytest.mark.timeout(600)
+def test_windows_match_model(machine_loop: None) -> None:
+    """The caps of set_limits, full and emptying, against the model (about 10 s per Redis server)."""
+    run_state_machine_as_test(
+        WindowsMachine,
+        settings=settings(
+            max_examples=50,
             stateful_step_count=40,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],

@@ -77,6 +77,7 @@ CALLS: dict[str, Call] = {
     "Queue.set_global_concurrency": lambda q: q.set_global_concurrency(2),
     "Queue.set_rate_limit": lambda q: q.set_rate_limit(2),
     "Queue.set_token_rate_limit": lambda q: q.set_token_rate_limit(100),
+    "Queue.set_limits": lambda q: q.set_limits(requests={"minute": 60, "day": 1000}),
     "Queue.set_pacing": lambda q: q.set_pacing(headroom_ms=10),
     "Queue.pause": lambda q: q.pause(),
     "Queue.resume": lambda q: q.resume(),

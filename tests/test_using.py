@@ -86,6 +86,27 @@ async def test_the_retention_examples(redis_url: str, redis: Redis, prefix: str)
     assert (kept["completed"].age, kept["completed"].count, kept["dead"].age) == (6 * 3600, 200_000, None)
 
 
+async def test_the_provider_limits_examples(redis_url: str, redis: Redis, prefix: str) -> None:
+    expected = [
+        ("requests", 500, 60.0, True),
+        ("requests", 10_000, 86_400.0, False),
+        ("tokens", 30_000, 60.0, True),
+        ("tokens", 1_000_000, 86_400.0, False),
+    ]
+    namespace: dict[str, object] = {"Queue": Queue}
+    exec(compile(block("provider-limits"), "docs/using.md", "exec"), namespace)  # noqa: S102
+    queue = Queue("llm", redis=redis, prefix=prefix)
+    await namespace["use_the_providers_limits"](queue)  # type: ignore[operator]
+    flow = await queue.flow()
+    assert [(w.kind, w.limit, w.per_seconds, w.paced) for w in flow.windows] == expected
+    await queue.set_limits(requests={}, tokens={})
+    command = shlex.split(block("provider-limits-cli"))
+    assert command[0] == "sluice"
+    await invoke(*command[1:], "--prefix", prefix, "--redis", redis_url)
+    flow = await queue.flow()
+    assert [(w.kind, w.limit, w.per_seconds, w.paced) for w in flow.windows] == expected
+
+
 async def test_the_job_log_filter_example(redis_url: str, redis: Redis, prefix: str) -> None:
     """The doc's handler set-up, then a job that logs (from a sync handler's thread too)."""
     app_log = logging.getLogger("app")

@@ -26,7 +26,7 @@ from sluice.cli.output import plain_table, print_json, span, stderr, stdout, utc
 from sluice.cli.parsing import SluiceCommand
 from sluice.cli.runtime import with_queue
 from sluice.engine import BudgetState, Queue
-from sluice.engine.budgets import TOKEN_RATE_BUDGET, BudgetChange
+from sluice.engine.budgets import BudgetChange, is_rate_budget
 from sluice.engine.clock import now_ms
 from sluice.engine.job import MAX_TOKENS
 from sluice.errors import BudgetError, BudgetNotFound
@@ -169,7 +169,7 @@ async def all_budgets(q: Queue) -> list[BudgetState]:
     names: list[str] = []
     async for key in q.redis.scan_iter(match=_glob(prefix) + "*", count=1000):
         name = key.decode()[len(prefix) :]
-        if name != TOKEN_RATE_BUDGET:
+        if not is_rate_budget(name):
             names.append(name)
     return [b for b in await q.budgets.get_many(sorted(names)) if b is not None]
 

@@ -16,6 +16,8 @@ from sluice.cli.runtime import with_queue
 from sluice.engine import FlowState, Queue
 from sluice.engine.flow import MAX_PACING_MS
 from sluice.engine.job import MAX_TOKENS
+from sluice.engine.windows import MAX_WINDOWS, check_limits
+from sluice.errors import ConfigurationError
 from sluice.settings import DEFAULT_PREFIX, DEFAULT_QUEUE
 
 flow_app = typer.Typer(
@@ -26,6 +28,21 @@ flow_app = typer.Typer(
 #: The longest throttle and the longest rate window, in seconds (the library's bounds).
 MAX_SECONDS = 86_400
 Limit = tuple[int, float] | None
+#: The windows --limit and --token-limit take by name (seconds).
+WINDOW_NAMES = {
+    "s": 1,
+    "sec": 1,
+    "second": 1,
+    "m": 60,
+    "min": 60,
+    "minute": 60,
+    "h": 3600,
+    "hour": 3600,
+    "d": 86_400,
+    "day": 86_400,
+}
+#: What --limit and --token-limit accept, for their --help and errors.
+LIMIT_FORMS = "N/WINDOW, WINDOW one of s, min, h, day (or second, minute, hour) or seconds"
 
 
 def flow_table(f: FlowState, target: Target) -> RenderableType:
@@ -35,8 +52,14 @@ def flow_table(f: FlowState, target: Target) -> RenderableType:
     table.add_row("global concurrency", f"{f.concurrency or 'none'} ({f.active} running)")
     rate = f"{f.rate_max} per {f.rate_per_seconds:g} s" if f.rate_max else "none"
     table.add_row("request rate", f"{rate} ({f.starts_in_window} started in the window)")
+    for w in f.windows:
+        if w.kind == "requests" and not w.paced:
+            table.add_row("request cap", f"{w.limit} per {w.per_seconds:g} s ({w.in_window} started in it)")
     tokens = f"{f.token_limit:,} per {f.token_per_seconds:g} s" if f.token_limit else "none"
     table.add_row("token rate", f"{tokens} ({f.tokens_in_window:,} in the window)")
+    for w in f.windows:
+        if w.kind == "tokens" and not w.paced:
+            table.add_row("token cap", f"{w.limit:,} per {w.per_seconds:g} s ({w.in_window:,} in it)")
     pace = "off (the windows alone)" if f.pace_tolerance_ms is None else f"{f.pace_tolerance_ms} ms tolerance"
     measured = f"measured {f.measured_headroom_ms} ms" if f.measured_headroom_ms else "none measured lately"
     table.add_row(
@@ -105,6 +128,47 @@ def _per(value: str, hint: str, low_seconds: float, high_count: int) -> Limit:
     return n, seconds
 
 
+def _windows(values: list[str], kind: str, hint: str) -> dict[float, int]:
+    """The values of a repeatable --limit / --token-limit (N/WINDOW) as set_limits takes them;
+    "none" (alone) removes every window of the kind."""
+    if values == ["none"]:
+        return {}
+    windows: dict[float, int] = {}
+    for value in values:
+        count, _, per = value.partition("/")
+        seconds: float | None = WINDOW_NAMES.get(per.strip().lower())
+        try:
+            n = int(count)
+            if seconds is None:
+                seconds = float(per)
+        except ValueError:
+            n = 0
+        if n < 1 or seconds is None:
+            raise typer.BadParameter(
+                f'use {LIMIT_FORMS}, e.g. 500/min or 10000/day (up to {MAX_WINDOWS} of them), or "none" '
+                f"alone to remove them all; got {value!r}",
+                param_hint=hint,
+            )
+        if seconds in windows:
+            raise typer.BadParameter(f"the window of {seconds:g} s is given twice", param_hint=hint)
+        windows[seconds] = n
+    try:
+        check_limits(kind, windows)
+    except ConfigurationError as exc:
+        raise typer.BadParameter(str(exc), param_hint=hint) from None
+    return windows
+
+
+def _set_limits(kind: str, windows: dict[float, int]) -> Callable[[Queue], Awaitable[None]]:
+    async def change(q: Queue) -> None:
+        if kind == "requests":
+            await q.set_limits(requests=windows)
+        else:
+            await q.set_limits(tokens=windows)
+
+    return change
+
+
 def _tolerance(value: str) -> int | None:
     """'off' -> None (no pacer), else whole ms from 0 to MAX_PACING_MS."""
     if value == "off":
@@ -126,6 +190,29 @@ def flow_set(
     rate: Annotated[str | None, typer.Option(help='Job starts per window: N/SECONDS, or "none".')] = None,
     tokens: Annotated[
         str | None, typer.Option(help='Estimated tokens per window: N/SECONDS (at least 1 s), or "none".')
+    ] = None,
+    limit: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--limit",
+            metavar="N/WINDOW",
+            help=(
+                f"Job starts per window, as the provider states them; repeat for each ({LIMIT_FORMS}), "
+                "e.g. --limit 500/min --limit 10000/day. Replaces every request window: the shortest "
+                'is paced, the others are hard caps. "none" removes them.'
+            ),
+        ),
+    ] = None,
+    token_limit: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--token-limit",
+            metavar="N/WINDOW",
+            help=(
+                "Estimated tokens per window, as --limit (windows of at least 1 s), e.g. "
+                "--token-limit 30000/min --token-limit 1000000/day."
+            ),
+        ),
     ] = None,
     tolerance_ms: Annotated[
         str | None,
@@ -159,6 +246,18 @@ def flow_set(
     if tokens is not None:
         window = _per(tokens, "--tokens", 1, MAX_TOKENS)
         changes.append(lambda q: q.set_token_rate_limit(*window) if window else q.set_token_rate_limit(None))
+    for many, one, kind, hint in (
+        (limit, rate, "requests", "--limit"),
+        (token_limit, tokens, "tokens", "--token-limit"),
+    ):
+        if many:
+            if one is not None:
+                other = "--rate" if kind == "requests" else "--tokens"
+                raise typer.BadParameter(
+                    f"give {other} (the shortest window only) or {hint} (every window), not both",
+                    param_hint=hint,
+                )
+            changes.append(_set_limits(kind, _windows(many, kind, hint)))
     if tolerance_ms is not None or headroom_ms is not None:
         tolerance = _tolerance(tolerance_ms) if tolerance_ms is not None else None
 
@@ -172,7 +271,8 @@ def flow_set(
         changes.append(pacing)
     if not changes:
         raise typer.BadParameter(
-            "give --concurrency, --rate, --tokens, --tolerance-ms or --headroom-ms (or several)"
+            "give --concurrency, --rate, --tokens, --limit, --token-limit, --tolerance-ms or "
+            "--headroom-ms (or several)"
         )
 
     async def change(q: Queue) -> None:

@@ -12,6 +12,7 @@ from sluice.engine.events import Event
 from sluice.engine.flow import FlowState
 from sluice.engine.job import MAX_PRIORITY, JobRecord, JobSpec, JobState
 from sluice.engine.queue import Job, Queue
+from sluice.engine.windows import RateWindow
 from sluice.engine.worker import Worker
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "JobSpec",
     "JobState",
     "Queue",
+    "RateWindow",
     "Reservation",
     "Settlement",
     "Worker",

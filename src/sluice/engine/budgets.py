@@ -39,6 +39,9 @@ MAX_HOLD = 8 * 86_400.0
 MAX_DEPTH = 8
 #: The budget that implements the queue's token-rate limit (no user name starts with '#').
 TOKEN_RATE_BUDGET = "#tpm"  # noqa: S105 - a key name, not a secret
+#: The budgets of the token-rate limit's longer windows (engine/windows.py) are named this
+#: plus their window in ms.
+TOKEN_CAP_PREFIX = "#tok:"  # noqa: S105 - a key name, not a secret
 #: Holds settled per sweep script call (sweep.lua: SWEEP_MAX).
 SWEEP_MAX = 100
 #: How long a budget operation id is remembered (ms): 8 days, like a settled reservation.
@@ -159,6 +162,18 @@ class HeldReservation:
     expires_at_ms: int
     #: the job id the caller gave, or None
     job: str | None
+
+
+def is_rate_budget(name: str) -> bool:
+    """Whether ``name`` is one of the budgets behind the token-rate windows."""
+    return name == TOKEN_RATE_BUDGET or (
+        name.startswith(TOKEN_CAP_PREFIX) and name[len(TOKEN_CAP_PREFIX) :].isdigit()
+    )
+
+
+def token_cap_budget(window_ms: int) -> str:
+    """The name of the budget behind the token-rate window of ``window_ms`` beyond the paced one."""
+    return f"{TOKEN_CAP_PREFIX}{window_ms}"
 
 
 def check_budget_name(name: object) -> str:
@@ -384,7 +399,7 @@ class Budgets:
 
     async def _states(self, names: list[str], now: int | None) -> list[BudgetState | None]:
         for name in names:
-            if name != TOKEN_RATE_BUDGET:
+            if not is_rate_budget(name):  # the token-rate windows' budgets, named '#...'
                 check_budget_name(name)
         raw = await self._queue.scripts.budget_read(keys=self._keys.flow, args=[script_now(now), *names])
         return [_state(name, raw[i * 14 : (i + 1) * 14]) for i, name in enumerate(names)]

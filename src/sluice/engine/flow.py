@@ -13,10 +13,20 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sluice.engine.budgets import TOKEN_RATE_BUDGET, Budgets, BudgetState
+from sluice.engine.budgets import TOKEN_RATE_BUDGET, Budgets, BudgetState, token_cap_budget
 from sluice.engine.clock import queue_now_ms
 from sluice.engine.job import MAX_TOKENS
 from sluice.engine.transport import reads, writes
+from sluice.engine.windows import (
+    MAX_REQUESTS,
+    Limits,
+    RateWindow,
+    check_limits,
+    decode_request_caps,
+    decode_token_caps,
+    seconds_text,
+    window_ms,
+)
 from sluice.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -58,14 +68,17 @@ class FlowState:
     #: 0 when none reported lately). The windows count over the larger of the two.
     measured_headroom_ms: int = 0
     #: The pacers' rate now, per mille of the limits': below 1000 for a while after a
-    #: provider's 429 (each takes it to 95 % of what it is, down to 50 %; it climbs back over
-    #: two of the longest limit window)
+    #: provider's 429 (each further one takes it to 95 % of what it is, down to 50 %; it climbs
+    #: back over two of the longest paced window)
     pace_factor_pm: int = 1000
     #: Whether the limits follow what providers' answers say of theirs (Queue.follow_provider)
     follows_provider: bool = True
     #: Requests the provider counted that the queue had not started (another program on the
     #: key), added to its request window since the queue was made
     unseen_requests: int = 0
+    #: Every window of the request-rate and token-rate limits, requests first, each kind
+    #: shortest (the paced one, also reported above) first; see :meth:`FlowControl.set_limits`
+    windows: tuple[RateWindow, ...] = ()
 
     @property
     def effective_headroom_ms(self) -> int:
@@ -90,11 +103,19 @@ def _pacing_ms(what: str, value: object) -> int:
 
 
 def _window_ms(per: object) -> int:
-    if isinstance(per, bool) or not isinstance(per, int | float) or not math.isfinite(per):
+    if isinstance(per, str):  # set_rate_limit's per is seconds; names are for set_limits
         raise ConfigurationError(f"per must be a number of seconds, got {per!r}")
-    if not 0.001 <= per <= 86_400:
-        raise ConfigurationError(f"per must be from 0.001 to 86400 seconds, got {per!r}")
-    return max(1, round(per * 1000))
+    return window_ms(per)
+
+
+def _first_window_error(kind: str, limit: int, ms: int, reply: list[int]) -> ConfigurationError:
+    """The paced window given is not shorter, or not lower, than a cap set with set_limits."""
+    cap_ms, cap = int(reply[1]), int(reply[2])
+    return ConfigurationError(
+        f"{limit} {kind} per {seconds_text(ms)} s must be a shorter window with a lower limit than "
+        f"the queue's other {kind} window ({cap} per {seconds_text(cap_ms)} s); set every window "
+        "at once with set_limits"
+    )
 
 
 #: After a provider's 429 the pacers slow down for a while (dispatch.lua, slow_now): they
@@ -146,19 +167,19 @@ class FlowControl:
         A sliding window, counted over ``per`` plus the headroom
         (:meth:`set_pacing`): every ``max_starts + 1`` consecutive starts span
         at least that. The pacer spaces the starts evenly within it. None
-        removes the limit.
+        removes the limit, and the longer windows :meth:`set_limits` set
+        beside it; a limit replaces the paced (shortest) window only, which
+        must stay shorter and lower than those.
         """
         if max_starts is None:
-            await self.redis.hdel(self.keys.control, "rate_max", "rate_ms", "tat_req")
-        else:
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(
-                    self.keys.control,
-                    mapping={"rate_max": _positive_int("max_starts", max_starts), "rate_ms": _window_ms(per)},
-                )
-                pipe.hdel(self.keys.control, "tat_req")
-                await pipe.execute()
-        await self._wake()
+            await self._set_windows("requests", "first", [])
+            return
+        limit, ms = _positive_int("max_starts", max_starts), _window_ms(per)
+        if limit > MAX_REQUESTS:
+            raise ConfigurationError(f"max_starts must be at most {MAX_REQUESTS:,}, got {max_starts!r}")
+        reply = await self._set_windows("requests", "first", [(ms, limit)])
+        if reply[0] == 0:
+            raise _first_window_error("requests", limit, ms, reply)
 
     @writes
     async def set_token_rate_limit(
@@ -175,10 +196,13 @@ class FlowControl:
         the output really written, as Anthropic's output-token limit does).
         The window is counted over ``per`` plus the headroom
         (:meth:`set_pacing`), and the pacer spaces starts by their tokens.
-        None removes the limit.
+        None removes the limit, and the longer windows :meth:`set_limits` set
+        beside it; a limit replaces the paced (shortest) window only, which
+        must stay shorter and lower than those (``refund_unused`` applies to
+        them all).
         """
         if tokens is None:
-            await self.scripts.pace(keys=self._pace_keys(), args=["tokens", "", 0, 0])
+            await self._set_windows("tokens", "first", [])
             return
         limit = _positive_int("tokens", tokens)
         if limit > MAX_TOKENS:
@@ -186,9 +210,57 @@ class FlowControl:
         win_ms = _window_ms(per)
         if win_ms < 1000:
             raise ConfigurationError(f"a token-rate window must be at least 1 second, got {per!r}")
-        await self.scripts.pace(
-            keys=self._pace_keys(), args=["tokens", limit, win_ms, int(bool(refund_unused))]
-        )
+        reply = await self._set_windows("tokens", "first", [(win_ms, limit)], refund=refund_unused)
+        if reply[0] == 0:
+            raise _first_window_error("tokens", limit, win_ms, reply)
+
+    @writes
+    async def set_limits(
+        self,
+        *,
+        requests: Limits | None = None,
+        tokens: Limits | None = None,
+        refund_unused: bool = False,
+    ) -> None:
+        """Every limit of a provider, as its page states them: per second, minute, hour or day.
+
+        ``requests`` and ``tokens`` each map a window (``"second"``,
+        ``"minute"``, ``"hour"``, ``"day"``, or a number of seconds) to its
+        limit, e.g. ``requests={"minute": 500, "day": 10_000},
+        tokens={"minute": 30_000, "day": 1_000_000}``. Each replaces every
+        window of its kind (an empty dict removes them all); a kind not given
+        stays as it is. At most three windows per kind, a longer one admitting
+        more than a shorter one. The shortest is the limit
+        :meth:`set_rate_limit` / :meth:`set_token_rate_limit` set, paced; the
+        longer ones are hard caps: exact sliding logs, counted over their
+        length plus the headroom, that stop starts once full until enough of
+        what they count has left. Jobs reserve their token estimate on every
+        token window, and ``refund_unused`` says for all of them whether usage
+        below the estimate is given back. A token window new to the queue
+        counts from now; the request windows count the starts already logged.
+        """
+        if requests is None and tokens is None:
+            raise ConfigurationError(
+                'give requests=, tokens= or both, e.g. requests={"minute": 500, "day": 10_000} '
+                "(an empty dict removes every window of that kind)"
+            )
+        if refund_unused and tokens is None:
+            raise ConfigurationError("refund_unused applies to the token windows: give tokens= too")
+        asked = [
+            (kind, given) for kind, given in (("requests", requests), ("tokens", tokens)) if given is not None
+        ]
+        checked = [(kind, check_limits(kind, given)) for kind, given in asked]  # all, before any change
+        for kind, windows in checked:
+            await self._set_windows(kind, "all", windows, refund=refund_unused)
+
+    async def _set_windows(
+        self, kind: str, which: str, windows: list[tuple[int, int]], *, refund: bool = False
+    ) -> list[int]:
+        args: list[str | int] = [kind, which, int(bool(refund))]
+        for ms, limit in windows:
+            args += [ms, limit]
+        reply: list[int] = await self.scripts.pace(keys=self._pace_keys(), args=args)
+        return [int(v) for v in reply]
 
     @writes
     async def set_pacing(
@@ -237,7 +309,7 @@ class FlowControl:
 
     def _pace_keys(self) -> list[str]:
         k = self.keys
-        return [k.control, k.budget_prefix + TOKEN_RATE_BUDGET, k.wake]
+        return [k.control, k.budget_prefix + TOKEN_RATE_BUDGET, k.wake, k.budget_prefix, k.budget_log_prefix]
 
     @writes
     async def pause(self) -> None:
@@ -277,13 +349,33 @@ class FlowControl:
         least = int(c.get("headroom_ms", DEFAULT_HEADROOM_MS))
         measured = int(c.get("lag_h", 0))
         headroom = max(least, measured)
+        request_windows = [(rate_ms, int(c["rate_max"]))] if rate_ms and "rate_max" in c else []
+        if request_windows:
+            request_windows += decode_request_caps(c.get("rate_caps"))
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zcard(k.active)
-            pipe.zcount(k.starts, f"({t - rate_ms - headroom}" if rate_ms else "-inf", "+inf")
-            active, starts = await pipe.execute()
+            for ms, _ in request_windows:
+                pipe.zcount(k.starts, f"({t - ms - headroom}", "+inf")
+            active, *starts = await pipe.execute()
+        windows = [
+            RateWindow("requests", limit, ms / 1000, int(n), paced=i == 0)
+            for i, ((ms, limit), n) in enumerate(zip(request_windows, starts, strict=True))
+        ]
         tpm: BudgetState | None = None
         if c.get("tpm") == "1":
-            (tpm,) = await self.budgets.get_many([TOKEN_RATE_BUDGET], now=t)
+            caps = decode_token_caps(c.get("tok_caps"))
+            tpm, *capped = await self.budgets.get_many(
+                [TOKEN_RATE_BUDGET, *(token_cap_budget(ms) for ms in caps)], now=t
+            )
+            if tpm:
+                # the nominal window: the budget's counts the headroom too
+                per = int(c["tpm_ms"]) / 1000 if "tpm_ms" in c else tpm.window_seconds or 0.0
+                windows.append(RateWindow("tokens", tpm.limit, per, tpm.used, paced=True))
+                windows += [
+                    RateWindow("tokens", b.limit, ms / 1000, b.used, paced=False)
+                    for ms, b in zip(caps, capped, strict=True)
+                    if b is not None
+                ]
         until = int(c["throttled_until"]) if "throttled_until" in c else 0
         tolerance = c.get("tolerance_ms", str(DEFAULT_TOLERANCE_MS))
         return FlowState(
@@ -293,12 +385,9 @@ class FlowControl:
             active=int(active),
             rate_max=int(c["rate_max"]) if "rate_max" in c else None,
             rate_per_seconds=rate_ms / 1000 if rate_ms else None,
-            starts_in_window=int(starts) if rate_ms else 0,
+            starts_in_window=windows[0].in_window if request_windows else 0,
             token_limit=tpm.limit if tpm else None,
-            # the nominal window: the budget's counts the headroom too
-            token_per_seconds=(int(c["tpm_ms"]) / 1000 if "tpm_ms" in c else tpm.window_seconds)
-            if tpm
-            else None,
+            token_per_seconds=next((w.per_seconds for w in windows if w.kind == "tokens"), None),
             tokens_in_window=tpm.used if tpm else 0,
             pace_tolerance_ms=None if tolerance == "off" else int(tolerance),
             headroom_ms=least,
@@ -306,4 +395,5 @@ class FlowControl:
             pace_factor_pm=pace_factor(c, t),
             follows_provider=c.get("follow") != "0",
             unseen_requests=int(c.get("unseen_requests", 0)),
+            windows=tuple(windows),
         )

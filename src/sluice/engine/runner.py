@@ -37,7 +37,6 @@ from redis.exceptions import MovedError, NoScriptError, RedisError
 
 from sluice.engine import tracehooks
 from sluice.engine.backoff import Backoff
-from sluice.engine.budgets import TOKEN_RATE_BUDGET
 from sluice.engine.clock import now_ms, script_now
 from sluice.engine.codec import decode, encode
 from sluice.engine.connection import MAX_BLOCK, REROUTE_ERRORS, blocking_client, server_for
@@ -606,12 +605,7 @@ class Runner:
         k = self.keys
         lo, hi = report if report is not None else (0.0, 0.0)
         await self.queue.scripts.lag(
-            keys=[
-                k.control,
-                k.lags,
-                k.budget_prefix + TOKEN_RATE_BUDGET,
-                k.budget_log_prefix + TOKEN_RATE_BUDGET,
-            ],
+            keys=[k.control, k.lags, k.budget_prefix, k.budget_log_prefix],
             args=[script_now(None), self.wid, f"{lo:.3f}", f"{hi:.3f}", REPORT_TTL_MS, int(report is None)],
         )
 

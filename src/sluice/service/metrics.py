@@ -56,6 +56,7 @@ from sluice.service.multiproc import MULTIPROC_ENV, merged
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+    from sluice.engine.flow import FlowState
     from sluice.service.context import Services
 
 log = logging.getLogger("sluice.service")
@@ -211,6 +212,21 @@ def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
 
+def _window_families(qn: str, flow: FlowState) -> list[Metric]:
+    """Every window of the rate limits (the caps of set_limits included): its limit and count."""
+    if not flow.windows:
+        return []
+    labels = ["queue", "kind", "window_seconds"]
+    limits = _gauge("sluice_queue_window_limit", "Each rate window's limit: starts or tokens.", labels)
+    counted = _gauge(
+        "sluice_queue_window_count", "What each rate window counts now: starts or estimated tokens.", labels
+    )
+    for w in flow.windows:
+        limits.add_metric([qn, w.kind, f"{w.per_seconds:g}"], w.limit)
+        counted.add_metric([qn, w.kind, f"{w.per_seconds:g}"], w.in_window)
+    return [limits, counted]
+
+
 async def queue_snapshot(svc: Services) -> list[Metric]:
     """The queue-level metric families, read now (Redis; the budget names may come from the
     store). Without Redis: ``sluice_redis_up 0`` alone."""
@@ -298,6 +314,7 @@ async def queue_snapshot(svc: Services) -> list[Metric]:
         "Tokens charged in the token-rate gate's current window.",
         flow.tokens_in_window if flow.token_limit is not None else None,
     )
+    out += _window_families(qn, flow)
     one("sluice_queue_workers", "Workers whose heartbeat is live.", len(workers))
     one(
         "sluice_queue_worker_slots",

@@ -34,6 +34,11 @@
 --   most tau away; its start moves that time on by its cost. A pacer's
 --   refusal counts as its limit's (rate, token_rate), and its wait is tat - tau.
 --   The times are written back with one HSET per call.
+--   Each kind may have up to two longer windows beside the paced one, hard
+--   caps with no pacer (control 'rate_caps': 'ms:limit ...', counted on the
+--   same starts log; control 'tok_caps': 'ms ...', each the rolling budget
+--   '#tok:<ms>', reserved on beside '#tpm'), counted over their W + h too. A
+--   full request window opens when its N-th newest start leaves it.
 -- count_refusals(K, G, max_jobs): adds the noted gates to the stats hash
 --   ('refused:<gate>', one HINCRBY each): dispatch calls each gate refused.
 -- next_due(K, wait): the earliest time something may become runnable without
@@ -164,6 +169,8 @@ local PACE_TOLERANCE_MS = 20
 local PACE_HEADROOM_MS = 20
 -- The most the measured headroom may be (lag.lua's LAG_MAX_MS).
 local LAG_KEEP_MS = 500
+-- Windows per kind (requests, tokens) at most: the paced one and two caps (pace.lua's).
+local WINDOWS_MAX = 3
 
 -- After repeated 429s the pacers run slower for a while: their rate times a
 -- factor in per mille (control 'slow_pm', set at 'slow_at') that climbs back
@@ -203,7 +210,7 @@ end
 local function load_gates(K, now)
   local f = redis.call('HMGET', K.control, 'paused', 'throttled_until', 'concurrency', 'rate_max',
                        'rate_ms', 'tpm', 'tolerance_ms', 'headroom_ms', 'tat_req', 'tat_tok', 'lag_h',
-                       'slow_pm', 'slow_at', 'tpm_ms')
+                       'slow_pm', 'slow_at', 'tpm_ms', 'rate_caps', 'tok_caps')
   local G = {paused = f[1] == '1', until_ms = tonumber(f[2]) or 0, conc = tonumber(f[3]),
              rate_max = tonumber(f[4]), rate_ms = tonumber(f[5]) or 0, tpm = nil, cache = {},
              refused = {}, paced = false,
@@ -219,12 +226,23 @@ local function load_gates(K, now)
     G.rate_win = G.rate_ms + G.headroom
     -- Counted, not pruned, to be exact: ZCOUNT is O(log n) however many starts
     -- have just left the window; they are removed at most LOG_PRUNE_MAX per call.
-    local cutoff = now - G.rate_win
-    G.starts = redis.call('ZCOUNT', K.starts, '(' .. cutoff, '+inf')
-    -- Kept a window and LAG_KEEP_MS longer than counted: a measured headroom
-    -- that grows counts the starts it reaches back to, and observe.lua compares
-    -- a provider's answer with the log as it was at the call's dispatch.
-    local prune = cutoff - G.rate_ms - LAG_KEEP_MS
+    G.starts = redis.call('ZCOUNT', K.starts, '(' .. (now - G.rate_win), '+inf')
+    -- The caps: longer windows counted on the same log, which keeps the longest.
+    G.rate_caps = {}
+    -- Kept a window longer than the paced one counts, for observe.lua, which
+    -- compares a provider's answer with the log as it was at the call's dispatch.
+    local keep = G.rate_win + G.rate_ms
+    for ms, n in string.gmatch(f[15] or '', '(%d+):(%d+)') do
+      if #G.rate_caps < WINDOWS_MAX - 1 then
+        local cap = {win = tonumber(ms) + G.headroom, max = tonumber(n)}
+        cap.starts = redis.call('ZCOUNT', K.starts, '(' .. (now - cap.win), '+inf')
+        G.rate_caps[#G.rate_caps + 1] = cap
+        keep = math.max(keep, cap.win)
+      end
+    end
+    -- And LAG_KEEP_MS longer still: a measured headroom that grows counts the
+    -- starts it reaches back to.
+    local prune = now - keep - LAG_KEEP_MS
     local old = redis.call('ZRANGE', K.starts, LOG_PRUNE_MAX - 1, LOG_PRUNE_MAX - 1, 'WITHSCORES')
     if #old > 0 and tonumber(old[2]) <= prune then
       redis.call('ZREMRANGEBYRANK', K.starts, 0, LOG_PRUNE_MAX - 1)
@@ -232,7 +250,20 @@ local function load_gates(K, now)
       redis.call('ZREMRANGEBYSCORE', K.starts, '-inf', prune)
     end
   end
-  if f[6] == '1' then G.tpm = load_budget(K, '#tpm', now) end
+  if f[6] == '1' then
+    G.tpm = load_budget(K, '#tpm', now)
+    -- Every token window, the paced one first, then the caps (shortest first).
+    G.tok = {G.tpm}
+    for ms in string.gmatch(f[16] or '', '%d+') do
+      if #G.tok < WINDOWS_MAX then
+        local b = load_budget(K, '#tok:' .. ms, now)
+        if b then
+          b.per_ms = tonumber(ms)
+          G.tok[#G.tok + 1] = b
+        end
+      end
+    end
+  end
   return G
 end
 
@@ -258,16 +289,25 @@ local function refused(G, gate)
   G.refused[gate] = true
 end
 
+-- A request window of `win` ms holding `count` starts of its `max`: `wait`, or
+-- if it is full, the later of `wait` and when it opens: when its N-th newest
+-- start leaves it (the oldest may not be enough: a limit lowered leaves more
+-- than N in it). By rank: O(log n).
+local function window_wait(K, count, max, win, wait)
+  if count < max then return wait end
+  local nth = redis.call('ZRANGE', K.starts, -max, -max, 'WITHSCORES')
+  return math.max(wait, tonumber(nth[2]) + win)
+end
+
 local function queue_wait(K, G, now)
   if G.paused then refused(G, 'paused'); return -1 end
   if G.until_ms > now then refused(G, 'throttled'); return G.until_ms end
   if G.conc and G.active >= G.conc then refused(G, 'concurrency'); return -1 end
   if G.rate_max then
-    local wait = pace_wait(G, G.tat_req)
-    if G.starts >= G.rate_max then
-      local first = redis.call('ZRANGEBYSCORE', K.starts, '(' .. (now - G.rate_win), '+inf', 'WITHSCORES',
-                               'LIMIT', 0, 1)
-      wait = math.max(wait, tonumber(first[2]) + G.rate_win)
+    local wait = window_wait(K, G.starts, G.rate_max, G.rate_win, pace_wait(G, G.tat_req))
+    for i = 1, #G.rate_caps do
+      local cap = G.rate_caps[i]
+      wait = window_wait(K, cap.starts, cap.max, cap.win, wait)
     end
     if wait ~= 0 then refused(G, 'rate'); return wait end
   end
@@ -313,19 +353,27 @@ local function admit_job(K, G, jk, id, f, score, now, C)
   local levels = {}
   local tpm = G.tpm
   if tpm then
-    if tokens > tpm.limit then
-      refused(G, 'token_rate')
-      reject_job(K, jk, id, 'token estimate ' .. tokens .. ' exceeds the queue token-rate limit of '
-                 .. tpm.limit .. '; split the job or raise the limit', now, C)
-      return 'skip'
+    for i = 1, #G.tok do
+      local b = G.tok[i]
+      if tokens > b.limit then
+        refused(G, 'token_rate')
+        local per = ''
+        if b.per_ms then per = ' per ' .. (b.per_ms / 1000) .. ' s' end
+        reject_job(K, jk, id, 'token estimate ' .. tokens .. ' exceeds the queue token-rate limit of '
+                   .. b.limit .. per .. '; split the job or raise the limit', now, C)
+        return 'skip'
+      end
     end
     -- A job that costs no tokens is not paced by them.
     local wait = 0
     if tokens > 0 then wait = pace_wait(G, G.tat_tok) end
-    if tpm.used + tokens > tpm.limit then
-      local at = now -- while 'used' still counts charges that left
-      if not tpm.behind then at = roll_free_at(K, tpm, tokens) end
-      if at < 0 then wait = -1 else wait = math.max(wait, at) end
+    for i = 1, #G.tok do
+      local b = G.tok[i]
+      if b.used + tokens > b.limit then
+        local at = now -- while 'used' still counts charges that left
+        if not b.behind then at = roll_free_at(K, b, tokens) end
+        if at < 0 or wait < 0 then wait = -1 else wait = math.max(wait, at) end
+      end
     end
     if wait ~= 0 then
       refused(G, 'token_rate')
@@ -361,7 +409,9 @@ local function admit_job(K, G, jk, id, f, score, now, C)
     end
     for i = 1, #chain do levels[#levels + 1] = chain[i] end
   end
-  if tpm then levels[#levels + 1] = tpm end
+  if tpm then
+    for i = 1, #G.tok do levels[#levels + 1] = G.tok[i] end
+  end
   return 'take', levels
 end
 
@@ -433,6 +483,7 @@ local function take_some(K, G, now, max_jobs, lease_ms, worker, out, C)
           if G.rate_max then
             redis.call('ZADD', K.starts, now, id .. ':' .. token)
             G.starts = G.starts + 1
+            for c = 1, #G.rate_caps do G.rate_caps[c].starts = G.rate_caps[c].starts + 1 end
             if G.pace then G.tat_req = pace_next(G, G.tat_req, 1, G.rate_win, G.rate_max) end
           end
           if G.tpm and G.pace then

@@ -35,8 +35,8 @@
 --
 -- A reservation charges the same amount on all of its levels, which keeps a
 -- level's 'used' equal to the sum of its reservations' amounts; the one
--- exception is usage beyond the estimate, which the token-rate window takes
--- in full while budgets take only what they still have room for.
+-- exception is usage below the estimate, which the token-rate windows (the
+-- budgets named '#...') keep counting unless the provider refunds it (see settle).
 
 -- @include emit
 
@@ -261,14 +261,16 @@ local function settle(K, rid, how, actual, now, keep_ms)
   local d = target - amt
   local freed = false
   local crossed = {}
-  -- The token-rate window counts what the provider's limiter counted when the call
-  -- arrived (prompt + max_tokens, for OpenAI's): usage below the estimate does not
-  -- give it back, unless the queue says its provider refunds (control 'tpm_refund').
+  -- The token-rate windows ('#tpm' and the caps '#tok:<ms>': the names starting with
+  -- '#') count what the provider's limiter counted when the call arrived (prompt +
+  -- max_tokens, for OpenAI's): usage below the estimate does not give it back,
+  -- unless the queue says its provider refunds (control 'tpm_refund').
   local tpm_keeps = how == 'commit' and d < 0 and K.control ~= nil
                     and redis.call('HGET', K.control, 'tpm_refund') ~= '1'
   for i = 1, #levels do
     local b = levels[i]
-    if not (tpm_keeps and b.name == '#tpm') then
+    local rate_window = string.sub(b.name, 1, 1) == '#'
+    if not (tpm_keeps and rate_window) then
       local was = b.used
       b.used = math.max(b.used + d, 0)
       redis.call('HSET', b.key, 'used', b.used)
@@ -278,7 +280,7 @@ local function settle(K, rid, how, actual, now, keep_ms)
         redis.call('ZREM', lk, amt .. ' ' .. rid)
         redis.call('ZADD', lk, at, (amt + d) .. ' ' .. rid)
       end
-      if d > 0 and b.name ~= '#tpm' then
+      if d > 0 and not rate_window then
         redis.call('HINCRBY', b.key, 'beyond', d)
         if was <= b.limit and b.used > b.limit then crossed[#crossed + 1] = b end
       end

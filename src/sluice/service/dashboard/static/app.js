@@ -224,14 +224,17 @@
     if (f.throttled_until_ms && f.throttled_until_ms > now) state += `, throttled for ${fmtIn(f.throttled_until_ms - now)} more`;
     $("#flow-state").textContent = state;
     $("#flow-concurrency").textContent = f.concurrency ? `${fmt(f.active)} of ${fmt(f.concurrency)} running` : `${fmt(f.active)} running (no limit)`;
-    $("#flow-rate").textContent = f.rate_max ? `${fmt(f.starts_in_window)} of ${fmt(f.rate_max)} starts per ${f.rate_per_seconds} s` : "no limit";
+    // the longer windows of each kind (set_limits): hard caps beside the paced one
+    const caps = (kind) => (f.windows || []).filter((w) => w.kind === kind && !w.paced)
+      .map((w) => `; ${fmt(w.in_window)} of ${fmt(w.limit)} per ${w.per_seconds} s`).join("");
+    $("#flow-rate").textContent = f.rate_max ? `${fmt(f.starts_in_window)} of ${fmt(f.rate_max)} starts per ${f.rate_per_seconds} s${caps("requests")}` : "no limit";
     const headroom = Math.max(f.headroom_ms, f.measured_headroom_ms);
     const measured = f.measured_headroom_ms ? `measured ${f.measured_headroom_ms} ms` : "none measured lately";
     const slowed = f.pace_factor_pm < 1000 ? `; at ${f.pace_factor_pm / 10} % of the limits after a 429` : "";
     $("#flow-pacing").textContent = !f.rate_max && !f.token_limit ? "no rate limit to pace"
       : f.pace_tolerance_ms === null ? `off: the limits admit in bursts (headroom ${headroom} ms)`
       : `starts spaced evenly, ${f.pace_tolerance_ms} ms of tolerance, ${headroom} ms of headroom per window (at least ${f.headroom_ms} ms; ${measured})${slowed}`;
-    $("#flow-tokens").textContent = f.token_limit ? `${fmt(f.tokens_in_window)} of ${fmt(f.token_limit)} tokens per ${f.token_per_seconds} s` : "no limit";
+    $("#flow-tokens").textContent = f.token_limit ? `${fmt(f.tokens_in_window)} of ${fmt(f.token_limit)} tokens per ${f.token_per_seconds} s${caps("tokens")}` : "no limit";
     $("#flow-pressure").textContent = `score ${p.score.toFixed(2)}${p.refusing ? " - refusing submissions" : ""}; ` +
       `depth ${fmt(p.depth)}, draining ${fmtRate(p.drain_rate)}/s` + (p.backlog_seconds !== null ? `, backlog ${fmtIn(p.backlog_seconds * 1000)}` : "");
   }
