@@ -77,6 +77,18 @@ def test_a_429_raises_the_highest_delay_by_how_early_the_call_came() -> None:
     assert meter.spread(now_ms=later) == (later - T, later - T)
 
 
+def test_lateness_is_the_send_delay_and_the_transit_beyond_the_quickest() -> None:
+    meter = LagMeter()
+    meter.reply(T, received_ms=T)
+    quick = meter.sent(T, at_ms=T + 2)
+    slow = meter.sent(T, at_ms=T + 14)
+    assert (quick, slow) == (2.0, 14.0)
+    assert meter.lateness(quick, 40.0, at_ms=T + 100) == 0.0  # the first transit is the quickest
+    assert meter.lateness(slow, 55.0, at_ms=T + 101) == 12.0 + 15.0
+    assert meter.lateness(slow, None, at_ms=T + 102) == 12.0  # no transit said: the send alone
+    assert meter.lateness(None, 30.0, at_ms=T + 103) == 0.0  # quicker than all: the new least
+
+
 def test_reports_come_soon_at_first_then_every_interval() -> None:
     meter = LagMeter()
     meter.reply(T, received_ms=T)

@@ -89,6 +89,7 @@ class JobContext:
         "prefix",
         "provider_view",
         "queue",
+        "sent_delay",
         "sent_noted",
         "stop_requested",
         "token",
@@ -150,6 +151,8 @@ class JobContext:
         #: the worker's meter of dispatch-to-send delays (None outside a worker)
         self.lag = lag
         self.sent_noted = False
+        #: this attempt's send delay (ms) as the meter took it (None: not sent, or not measured)
+        self.sent_delay: float | None = None
         #: where the worker gathers what providers said of their limits (None outside a worker)
         self.provider_view = provider_view
 
@@ -168,7 +171,7 @@ class JobContext:
         if self.sent_noted or self.lag is None or not self.dispatched_ms:
             return
         self.sent_noted = True
-        self.lag.sent(self.dispatched_ms)
+        self.sent_delay = self.lag.sent(self.dispatched_ms)
 
     def note_provider_limits(
         self,
@@ -177,6 +180,7 @@ class JobContext:
         remaining_requests: int | None = None,
         limit_tokens: int | None = None,
         remaining_tokens: int | None = None,
+        transit_ms: float | None = None,
     ) -> None:
         """Pass on what the provider's answer said of its limits (its rate-limit headers).
 
@@ -186,11 +190,22 @@ class JobContext:
         key), and lowers a limit the provider states lower than the queue's
         (docs/architecture.md, "The provider's view"; ``Queue.follow_provider``
         turns it off). Figures the answer did not give are None.
+
+        ``transit_ms``: the call's round trip less the time the provider says it
+        spent on it (OpenAI's ``openai-processing-ms``). With the send's own
+        delay it tells how late this call reached the provider, and the queue
+        keeps it that much longer in its windows, as the provider does
+        (docs/architecture.md, "Late calls stay longer").
         """
         if self.provider_view is None or not self.dispatched_ms:
             return
+        late = 0.0 if self.lag is None else self.lag.lateness(self.sent_delay, transit_ms)
+        token = self.token.decode() if isinstance(self.token, bytes) else str(self.token)
         self.provider_view.add(
             self.dispatched_ms,
+            member=f"{self.id}:{token}",
+            tokens=self.tokens,
+            late_ms=round(late),
             limit_requests=limit_requests,
             remaining_requests=remaining_requests,
             limit_tokens=limit_tokens,

@@ -67,6 +67,8 @@ class LagMeter:
         self._offsets: deque[tuple[float, float]] = deque()
         #: (taken at, delay ms) of calls sent
         self._sent: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
+        #: (taken at, ms) of calls' transits: round trip less the provider's own time
+        self._transit: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
         #: (taken at, ms) of the 429s' asked waits: how early calls came that the samples missed
         self._early: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
         self._new = 0
@@ -82,15 +84,38 @@ class LagMeter:
     def _offset(self) -> float | None:
         return min((o for _, o in self._offsets), default=None)
 
-    def sent(self, dispatched_ms: int, at_ms: float | None = None) -> None:
+    def sent(self, dispatched_ms: int, at_ms: float | None = None) -> float | None:
         """A handler sent the call its job was dispatched for (the first one of the attempt),
-        dispatched at ``dispatched_ms`` (Redis's clock)."""
+        dispatched at ``dispatched_ms`` (Redis's clock); its delay (ms), or None before any
+        dispatch reply gave the clocks' offset."""
         offset = self._offset()
         if offset is None:
-            return
+            return None
         at = wall_ms() if at_ms is None else at_ms
-        self._sent.append((at, at - dispatched_ms - offset))
+        delay = at - dispatched_ms - offset
+        self._sent.append((at, delay))
         self._new += 1
+        return delay
+
+    def lateness(
+        self, sent_delay: float | None, transit_ms: float | None, at_ms: float | None = None
+    ) -> float:
+        """How much later than the quickest of the last WINDOW_S seconds a call reached the
+        provider, as far as this worker can tell (ms): its send's delay beyond the lowest, plus
+        its transit (the round trip less the time the provider says it spent, OpenAI's
+        ``openai-processing-ms``) beyond the lowest. The transit counts whole, as if it all
+        went one way: an answer read late makes a call look later than it was, which costs
+        a little throughput, never a 429."""
+        at = wall_ms() if at_ms is None else at_ms
+        late = 0.0
+        if sent_delay is not None and self._sent:
+            late += max(0.0, sent_delay - min(d for _, d in self._sent))
+        if transit_ms is not None and transit_ms >= 0:
+            self._transit.append((at, transit_ms))
+            while self._transit and self._transit[0][0] < at - WINDOW_S * 1000:
+                self._transit.popleft()
+            late += max(0.0, transit_ms - min(t for _, t in self._transit))
+        return late
 
     def throttled(self, early_ms: float, at_ms: float | None = None) -> None:
         """A call got a 429 asking to wait ``early_ms``: it reached the provider about that much

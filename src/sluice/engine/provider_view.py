@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 #: Reports sent in one script call at most (bounded work): the latest ones.
 MAX_BATCH = 32
+#: The most a call is taken to be late (ms; lag.lua's bound on the measured headroom too).
+MAX_LATE_MS = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,11 +38,23 @@ class LimitReport:
     remaining_requests: int | None = None
     limit_tokens: int | None = None
     remaining_tokens: int | None = None
+    #: the attempt's start in the request log and its reservation id (``<job id>:<token>``)
+    member: str = ""
+    #: its token estimate (what its reservation charged the token window)
+    tokens: int = 0
+    #: how much later than the quickest it reached the provider (ms; LagMeter.lateness)
+    late_ms: int = 0
 
     def args(self) -> list[int | str]:
-        """The report as observe.lua's five arguments ('' for a figure not said)."""
+        """The report as observe.lua's eight arguments ('' for a figure not said)."""
         said = (self.limit_requests, self.remaining_requests, self.limit_tokens, self.remaining_tokens)
-        return [self.dispatched_ms, *("" if v is None else v for v in said)]
+        return [
+            self.dispatched_ms,
+            *("" if v is None else v for v in said),
+            self.member,
+            self.tokens,
+            self.late_ms,
+        ]
 
 
 def _count(what: str, value: object) -> int | None:
@@ -70,6 +84,9 @@ class ProviderView:
         remaining_requests: int | None = None,
         limit_tokens: int | None = None,
         remaining_tokens: int | None = None,
+        member: str = "",
+        tokens: int = 0,
+        late_ms: int = 0,
     ) -> None:
         """Keep one answer's figures (ValueError for a figure that is not a count)."""
         report = LimitReport(
@@ -78,8 +95,11 @@ class ProviderView:
             _count("remaining_requests", remaining_requests),
             _count("limit_tokens", limit_tokens),
             _count("remaining_tokens", remaining_tokens),
+            member,
+            _count("tokens", tokens) or 0,
+            min(_count("late_ms", late_ms) or 0, MAX_LATE_MS),
         )
-        if report.args()[1:] != ["", "", "", ""]:
+        if report.args()[1:5] != ["", "", "", ""] or (report.late_ms > 0 and member):
             self._reports.append(report)
 
     def take(self) -> list[LimitReport]:

@@ -43,6 +43,7 @@ from sluice.engine.connection import connect
 from sluice.engine.context import JobContext
 from sluice.engine.worker import Worker
 from sluice.lab.goodput_limiter import ClientLimiter, ClientLimits
+from sluice.llm.http import rate_limits, transit_ms
 from sluice.settings import (
     ENV_GOODPUT_CLIENT,
     ENV_GOODPUT_CLIENT_LIMITS,
@@ -143,8 +144,19 @@ async def _call(job: JobContext) -> httpx.Response:
     }
     async with _clients.http() as http:
         job.note_sent()  # the queue's measured headroom (Sluice's providers do this themselves)
+        sent = time.monotonic()
         # The job id lets the benchmark match the provider's arrival time with the job's dispatch.
-        return await http.post(COMPLETIONS_PATH, json=body, headers={REQUEST_ID_HEADER: job.id})
+        reply = await http.post(COMPLETIONS_PATH, json=body, headers={REQUEST_ID_HEADER: job.id})
+    if reply.is_success:  # what Sluice's providers pass on to the queue, done by hand here
+        limits = rate_limits(reply.headers)
+        job.note_provider_limits(
+            limit_requests=limits.limit_requests,
+            remaining_requests=limits.remaining_requests,
+            limit_tokens=limits.limit_tokens,
+            remaining_tokens=limits.remaining_tokens,
+            transit_ms=transit_ms(reply.headers, (time.monotonic() - sent) * 1000),
+        )
+    return reply
 
 
 def _through_provider() -> bool:

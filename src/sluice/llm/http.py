@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -252,6 +253,15 @@ def _int(text: str | None) -> int | None:
 def _anthropic_reset(headers: httpx.Headers, name: str, now: datetime) -> float | None:
     seconds = _seconds_until(headers.get(f"anthropic-ratelimit-{name}-reset"), now)
     return None if seconds is None else max(0.0, seconds)
+
+
+def transit_ms(headers: httpx.Headers, round_trip_ms: float) -> float | None:
+    """The round trip less the time the provider says it spent (OpenAI's ``openai-processing-ms``):
+    what the network and both ends' queues took; None when the answer does not say."""
+    spent = _int(headers.get("openai-processing-ms"))
+    if spent is None or round_trip_ms < spent:
+        return None
+    return round_trip_ms - spent
 
 
 def rate_limits(headers: httpx.Headers, now: datetime | None = None) -> RateLimits:
@@ -599,6 +609,7 @@ class HTTPProvider:
         job = current_job() if paced else None
         if job is not None:
             job.note_sent()  # the pacer's measured headroom (engine/lag.py)
+        sent = time.monotonic()
         try:
             response = await self._client.send(request)
         except httpx.HTTPError as exc:
@@ -620,6 +631,7 @@ class HTTPProvider:
                 remaining_requests=limits.remaining_requests,
                 limit_tokens=limits.limit_tokens,
                 remaining_tokens=limits.remaining_tokens,
+                transit_ms=transit_ms(response.headers, (time.monotonic() - sent) * 1000),
             )
         return data, limits
 

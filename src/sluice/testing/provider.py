@@ -25,7 +25,8 @@ with ``retry-after-ms`` (milliseconds, rounded up) and ``retry-after``
 request*, as OpenAI's headers do; retrying then succeeds unless someone
 else took the room first. Answers and 429s also carry OpenAI's
 ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` (the reset is the
-time until the window is empty, as a duration like ``1.5s`` or ``6m0s``).
+time until the window is empty, as a duration like ``1.5s`` or ``6m0s``), and
+completions ``openai-processing-ms`` (the time spent from the arrival).
 A request larger than the token limit itself can never pass and gets 400
 instead of a 429 that would be retried forever.
 
@@ -99,6 +100,8 @@ ARRIVALS_PATH = "/arrivals"
 FAULTS_PATH = "/_control/faults"
 #: GET the last requests received: path, body and headers (never the key).
 REQUESTS_PATH = "/_control/requests"
+#: The ms the provider spent on a request from its arrival to its answer (OpenAI's header).
+PROCESSING_HEADER = "openai-processing-ms"
 #: A client's own id for a request (OpenAI's header); the provider logs when accepted ones arrived.
 REQUEST_ID_HEADER = "x-client-request-id"
 #: The key a server expects, passed in its environment (a command line is visible to every user).
@@ -820,6 +823,7 @@ class SimulatedProvider(SimulatedServer):
         except Refusal as refusal:
             return refusal.response
         cached = self.prefix_cache.cached_tokens([(m["role"], m["content"]) for m in messages])
+        admitted = time.monotonic()
         await self.work(max_tokens)
         reply = {
             "id": f"chatcmpl-sim-{self.next_id()}",
@@ -842,7 +846,10 @@ class SimulatedProvider(SimulatedServer):
         }
         if fault is not None:
             fault.shape_usage(reply, "usage")
-        return JSONResponse(reply, headers=self._limit_headers(admission))
+        headers = self._limit_headers(admission)
+        # As OpenAI's answers say it: the time the provider spent on the request, from its arrival.
+        headers[PROCESSING_HEADER] = str(round((time.monotonic() - admitted) * 1000))
+        return JSONResponse(reply, headers=headers)
 
     async def _embeddings(self, request: Request) -> Response:
         try:

@@ -4,9 +4,11 @@
 --
 -- KEYS[1 .. 7] flow-control and ledger keys (see includes/ledger.lua: with_flow_keys)
 -- ARGV[1] now (ms, '' = Redis's clock)
--- then per report, five values: when the attempt was dispatched (ms, Redis's
+-- then per report, eight values: when the attempt was dispatched (ms, Redis's
 -- clock), the provider's request limit, requests remaining, token limit,
--- tokens remaining ('' for what the answer did not say). At most 32 reports.
+-- tokens remaining ('' for what the answer did not say), the attempt's
+-- '<job id>:<token>', its token estimate, and how late it reached the provider
+-- (ms, beyond the quickest of its worker's calls). At most 32 reports.
 --
 -- For each report, when the queue has the limit of that kind:
 -- * requests: the provider's use when the call arrived is limit - remaining;
@@ -28,27 +30,43 @@
 -- longer holds what it held at the dispatch, and the difference would count
 -- the charges that left as use nobody saw (measured: 200,000 phantom tokens
 -- in a 10-second run).
+-- * late calls stay longer: a call that reached the provider d ms later than
+--   the quickest holds its place in the provider's window d ms longer than
+--   the queue's windows count it, so its start in the request log and its
+--   charge in the token window's log are moved d ms later (never earlier),
+--   if they are still there. That is what lets the headroom be small: it need
+--   not cover the slowest calls, only what the estimate of d misses.
 -- Nothing is done when control 'follow' is '0'.
--- Returns {requests added, limits lowered}.
+-- Returns {requests added, limits lowered, entries moved}.
 
 -- @include clock
 -- @include ledger
 
 local UNSEEN_MAX = 100
+local LATE_MAX_MS = 500  -- what a call is taken to be late at most (lag.lua's bound)
 local KEEP_MS = 500  -- the log keeps starts W + KEEP_MS past its window (dispatch.lua)
 local K = with_flow_keys({}, 1)
 local now = clock_ms(ARGV[1])
 local c = redis.call('HMGET', K.control, 'follow', 'rate_max', 'rate_ms', 'tpm', 'tpm_ms', 'headroom_ms',
                      'lag_h', 'unseen_seq')
-if c[1] == '0' then return {0, 0} end
+if c[1] == '0' then return {0, 0, 0} end
 local h = math.max(tonumber(c[6]) or 20, tonumber(c[7]) or 0)
 local rate_max, rate_ms = tonumber(c[2]), tonumber(c[3])
 local tpm = nil
 if c[4] == '1' then tpm = load_budget(K, '#tpm', now) end
 local seq = tonumber(c[8]) or 0
-local added_req, lowered = 0, 0
+local added_req, lowered, moved = 0, 0, 0
 
-for i = 2, #ARGV - 4, 5 do
+-- Moves `member` of zset `key` to `at` if it is there and earlier.
+local function later(key, member, at)
+  local was = redis.call('ZSCORE', key, member)
+  if was and tonumber(was) < at then
+    redis.call('ZADD', key, 'XX', at, member)
+    moved = moved + 1
+  end
+end
+
+for i = 2, #ARGV - 7, 8 do
   local at = tonumber(ARGV[i])
   local lim_r, rem_r = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   local lim_t = tonumber(ARGV[i + 3])
@@ -80,7 +98,21 @@ for i = 2, #ARGV - 4, 5 do
       lowered = lowered + 1
     end
   end
+  local member, est, late = ARGV[i + 5], tonumber(ARGV[i + 6]) or 0, tonumber(ARGV[i + 7]) or 0
+  if at and member ~= '' and late >= 1 then
+    late = math.min(math.floor(late), LATE_MAX_MS)
+    if rate_max then later(K.starts, member, at + late) end
+    if tpm and est > 0 then
+      -- the charge is '<estimate> <rid>', or '<usage> <rid>' once a usage above it was settled
+      local lk = K.logp .. '#tpm'
+      local charge = est .. ' ' .. member
+      if not redis.call('ZSCORE', lk, charge) then
+        charge = (redis.call('HGET', K.resvp .. member, 'amt') or '') .. ' ' .. member
+      end
+      later(lk, charge, at + late)
+    end
+  end
 end
 if seq ~= (tonumber(c[8]) or 0) then redis.call('HSET', K.control, 'unseen_seq', seq) end
 if added_req > 0 then redis.call('HINCRBY', K.control, 'unseen_requests', added_req) end
-return {added_req, lowered}
+return {added_req, lowered, moved}
