@@ -144,7 +144,7 @@ TOKEN_CAP = "#tok:"  # noqa: S105 - a key name, not a secret
 #: The pacer's tolerance when none is set (ms).
 PACE_TOLERANCE_MS = 20
 #: The least headroom when none is set (ms).
-PACE_HEADROOM_MS = 20
+PACE_HEADROOM_MS = 10
 #: How much longer than counted the request-rate log keeps its starts, beyond one more window
 #: (ms): dispatch.lua's LAG_KEEP_MS (a measured headroom that grows counts the starts it reaches
 #: back to; observe.lua compares answers with the log as it was at their dispatch).

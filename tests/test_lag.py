@@ -68,9 +68,9 @@ def test_a_429_raises_the_highest_delay_by_how_early_the_call_came() -> None:
     meter.throttled(6.0, at_ms=T + 10)  # the provider asked for 6 ms: the call was early by that
     meter.throttled(-1.0, at_ms=T + 10)  # (a wait of nothing teaches nothing)
     assert meter.spread(now_ms=T + 10) == (2.0, 15.0)
-    meter.throttled(900.0, at_ms=T + 11)  # one 429 adds at most LEARN_MAX_MS
-    assert meter.spread(now_ms=T + 11) == (2.0, 9.0 + LEARN_MAX_MS)
-    assert meter.report_due(now_s=100.0) == (2.0, 9.0 + LEARN_MAX_MS)  # due at once
+    meter.throttled(LEARN_MAX_MS + 1, at_ms=T + 11)  # a longer wait is a window's turn: nothing
+    assert meter.spread(now_ms=T + 11) == (2.0, 15.0)
+    assert meter.report_due(now_s=100.0) == (2.0, 15.0)  # due at once
     # it is forgotten with the samples of its time
     later = T + WINDOW_S * 1000 + 20
     meter.sent(T, at_ms=later)
@@ -117,7 +117,7 @@ async def test_the_headroom_is_the_spread_over_all_workers(queue: Queue) -> None
     assert await report(queue, "a", 2.0, 6.0, T) == 4
     assert await report(queue, "b", 23.0, 27.0, T + 1) == 25
     flow = await queue.flow(now=T + 1)
-    assert (flow.headroom_ms, flow.measured_headroom_ms, flow.effective_headroom_ms) == (20, 25, 25)
+    assert (flow.headroom_ms, flow.measured_headroom_ms, flow.effective_headroom_ms) == (10, 25, 25)
     # b's report expires: a's alone counts again at the next report
     assert await report(queue, "a", 2.0, 6.5, T + 10_002) == 5
     assert await queue.redis.hkeys(queue.keys.lags) == [b"a"]
@@ -128,7 +128,7 @@ async def test_the_headroom_is_the_spread_over_all_workers(queue: Queue) -> None
     )
     assert await report(queue, "c", 1.0, 1.0, T + 10_004) == 0
     flow = await queue.flow(now=T + 10_004)
-    assert (flow.measured_headroom_ms, flow.effective_headroom_ms) == (0, 20)
+    assert (flow.measured_headroom_ms, flow.effective_headroom_ms) == (0, 10)
 
 
 async def test_the_measured_headroom_is_bounded(queue: Queue) -> None:
@@ -138,7 +138,7 @@ async def test_the_measured_headroom_is_bounded(queue: Queue) -> None:
 async def test_the_token_window_counts_over_the_larger_headroom(queue: Queue) -> None:
     await queue.set_token_rate_limit(1000, per=1)
     budget = queue.keys.budget_prefix + TOKEN_RATE_BUDGET
-    assert await queue.redis.hget(budget, "win_ms") == b"1020"
+    assert await queue.redis.hget(budget, "win_ms") == b"1010"
     await report(queue, "a", 0.0, 40.0, T)
     assert await queue.redis.hget(budget, "win_ms") == b"1040"
     await queue.set_pacing(headroom_ms=60)  # the least set is larger now
@@ -217,7 +217,34 @@ async def test_worker_processes_measure_the_spread_of_their_sends(
         assert await redis.hkeys(queue.keys.lags) == []
 
 
-def test_a_context_outside_a_worker_notes_nothing() -> None:
+def test_a_context_outside_a_worker_measures_nothing_but_knows_its_first_call() -> None:
     ctx = JobContext("q", "1", "x", None, 1, 1, 0, "w", 1)
-    ctx.note_sent()  # no meter: nothing to do, and no error
-    assert ctx.sent_noted is False
+    assert ctx.note_sent() is True  # no meter: nothing measured, and no error
+    assert ctx.sent_delay is None
+    assert ctx.note_sent() is False  # a second call of the attempt is not the one dispatched
+
+
+async def test_past_256_reports_the_expired_ones_still_go(queue: Queue) -> None:
+    # Given 257 workers that reported (one with a 100 ms spread), then crashed without a word
+    for i in range(257):
+        await report(queue, f"w{i}", 0.0, 100.0 if i == 0 else 3.0, T, ttl=1_000)
+    assert (await queue.flow(now=T)).measured_headroom_ms == 100
+    # When a live worker reports after they expired, the expired are swept (a bounded sample
+    # per report) and the headroom follows the live ones again
+    await report(queue, "live", 0.0, 3.0, T + 5_000)
+    assert await report(queue, "live", 0.0, 3.0, T + 5_001) == 3
+    assert await queue.redis.hkeys(queue.keys.lags) == [b"live"]
+
+
+async def test_two_workers_growing_the_window_at_once_leave_a_consistent_count(queue: Queue) -> None:
+    await queue.set_pacing(tolerance_ms=None, headroom_ms=0)
+    await queue.set_token_rate_limit(1000, per=1)
+    await queue.add("llm", tokens=100)
+    await step(queue, T)
+    await report(queue, "a", 0.0, 40.0, T + 10)
+    await report(queue, "b", 0.0, 60.0, T + 10)  # the same ms: two charges, not one overwritten
+    budget = queue.keys.budget_prefix + TOKEN_RATE_BUDGET
+    log = await queue.redis.zrange(queue.keys.budget_log_prefix + TOKEN_RATE_BUDGET, 0, -1)
+    assert int(await queue.redis.hget(budget, "used")) == sum(int(m.split(b" ")[0]) for m in log)
+    # and once every charge has left, the window is empty
+    assert (await queue.flow(now=T + 10 * 60_000)).tokens_in_window == 0

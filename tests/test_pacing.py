@@ -122,13 +122,13 @@ async def test_the_pacer_spaces_by_w_plus_h_over_n(queue: Queue) -> None:
 
 async def test_flow_reports_the_pacing(queue: Queue) -> None:
     flow = await queue.flow(now=T)
-    assert (flow.pace_tolerance_ms, flow.headroom_ms) == (20, 20)
+    assert (flow.pace_tolerance_ms, flow.headroom_ms) == (20, 10)
     await queue.set_pacing(tolerance_ms=5, headroom_ms=0)
     flow = await queue.flow(now=T)
     assert (flow.pace_tolerance_ms, flow.headroom_ms) == (5, 0)
     await queue.set_pacing(tolerance_ms=None)
     flow = await queue.flow(now=T)
-    assert (flow.pace_tolerance_ms, flow.headroom_ms) == (None, 20)
+    assert (flow.pace_tolerance_ms, flow.headroom_ms) == (None, 10)
 
 
 @pytest.mark.parametrize("bad", [-1, 60_001, 1.5, True, "20"])

@@ -176,7 +176,7 @@ async def test_usage_below_the_estimate_is_kept_by_every_token_window(queue: Que
 async def test_a_token_cap_counts_over_the_headroom_and_follows_it(queue: Queue) -> None:
     await queue.set_limits(tokens={"minute": 1000, "day": 5000})
     cap = queue.keys.budget_prefix + DAY_CAP
-    assert await queue.redis.hget(cap, "win_ms") == str(DAY + 20).encode()  # the least, by default
+    assert await queue.redis.hget(cap, "win_ms") == str(DAY + 10).encode()  # the least, by default
     await queue.set_pacing(headroom_ms=30)
     assert await queue.redis.hget(cap, "win_ms") == str(DAY + 30).encode()
     # the workers' measured spread, when larger (lag.lua)

@@ -226,7 +226,7 @@ def flow_set(
             min=0,
             max=MAX_PACING_MS,
             help=(
-                "The least ms added to every rate window (default 20); the workers' measured "
+                "The least ms added to every rate window (default 10); the workers' measured "
                 "spread of dispatch-to-send delays is used when larger."
             ),
         ),

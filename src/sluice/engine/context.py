@@ -156,7 +156,7 @@ class JobContext:
         #: where the worker gathers what providers said of their limits (None outside a worker)
         self.provider_view = provider_view
 
-    def note_sent(self) -> None:
+    def note_sent(self) -> bool:
         """Say that the call this job was dispatched for is leaving now.
 
         Call it right before sending the request that counts against the
@@ -166,12 +166,15 @@ class JobContext:
         by the spread of those delays, so that calls that arrive closer
         together than they were started still fit the provider's window
         (docs/architecture.md, "The pacer"). A handler that never says is
-        not measured: the queue's least headroom is all it gets.
+        not measured: the queue's least headroom is all it gets. Returns whether
+        this was the attempt's first call (the one the queue's windows counted).
         """
-        if self.sent_noted or self.lag is None or not self.dispatched_ms:
-            return
+        if self.sent_noted:
+            return False
         self.sent_noted = True
-        self.sent_delay = self.lag.sent(self.dispatched_ms)
+        if self.lag is not None and self.dispatched_ms:
+            self.sent_delay = self.lag.sent(self.dispatched_ms)
+        return True
 
     def note_provider_limits(
         self,

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 DEFAULT_TOLERANCE_MS = 20
 #: The least headroom unless set (ms; the scripts have the same default). The workers'
 #: measured spread of dispatch-to-send delays is used when it is larger (engine/lag.py).
-DEFAULT_HEADROOM_MS = 20
+DEFAULT_HEADROOM_MS = 10
 #: The largest tolerance or headroom accepted (ms).
 MAX_PACING_MS = 60_000
 
@@ -278,11 +278,11 @@ class FlowControl:
         workers measure it (the spread of their dispatch-to-send delays, see
         :meth:`JobContext.note_sent`); ``headroom_ms`` is the least used,
         for what they cannot see (network delays that differ between hosts).
-        Defaults: the pacer on with 20 ms of tolerance, at least 20 ms of
-        headroom (what the time from a send to the provider's limiter took
-        beyond the measure on a busy 2-core machine). A headroom costs
-        headroom / window of the limit: 2 % of a 1-second limit, 0.03 % of a
-        per-minute one.
+        Defaults: the pacer on with 20 ms of tolerance, at least 10 ms of
+        headroom (the answers then tell how late each call came, and a late
+        one stays longer in the windows: docs/architecture.md, "Late calls
+        stay longer"). A headroom costs headroom / window of the limit: 1 % of
+        a 1-second limit, 0.02 % of a per-minute one.
         """
         tolerance = "off" if tolerance_ms is None else _pacing_ms("tolerance_ms", tolerance_ms)
         headroom = _pacing_ms("headroom_ms", headroom_ms)

@@ -586,9 +586,9 @@ class Runner:
         limits (engine/provider_view.py), each when there is something to say."""
         while not self._closing:
             await asyncio.sleep(SOON_INTERVAL_S)
-            report = self.lag.report_due()
-            seen = self.provider_view.take()
             try:
+                report = self.lag.report_due()
+                seen = self.provider_view.take()
                 if report is not None:
                     await self._report_lag(report)
                 if seen:
@@ -599,6 +599,8 @@ class Runner:
                 _reraise_if_cancelled()
                 # The next report says it again; until then the last one holds.
                 log.debug("worker %s: lag or limits report not sent: %s", self.wid, describe(exc))
+            except Exception:
+                log.exception("worker %s: the lag or limits report failed", self.wid)
 
     async def _report_lag(self, report: tuple[float, float] | None) -> None:
         """Report (lowest, highest) dispatch-to-send delay (ms), or withdraw with None."""

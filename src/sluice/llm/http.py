@@ -255,6 +255,10 @@ def _anthropic_reset(headers: httpx.Headers, name: str, now: datetime) -> float 
     return None if seconds is None else max(0.0, seconds)
 
 
+def _count_or_none(value: int | None) -> int | None:
+    return value if value is not None and value >= 0 else None
+
+
 def transit_ms(headers: httpx.Headers, round_trip_ms: float) -> float | None:
     """The round trip less the time the provider says it spent (OpenAI's ``openai-processing-ms``):
     what the network and both ends' queues took; None when the answer does not say."""
@@ -493,7 +497,8 @@ def error_from_response(
             wait,
             f"rate limited ({where}): {said}; retry in {round(wait, 3):g} s{capped}",
             limits,
-            asked=asked,
+            # (a 429 that said nothing usable asked for no wait: the fallback is ours)
+            asked=0.0 if asked is None else asked,
         )
     if (status >= 500 and status != 501) or status in _TRANSIENT_4XX:
         return ProviderUnavailable(
@@ -607,8 +612,10 @@ class HTTPProvider:
         secrets = [self._key] if self._key is not None else []
         request = self._client.build_request("POST", path, json=body, headers=headers)
         job = current_job() if paced else None
-        if job is not None:
-            job.note_sent()  # the pacer's measured headroom (engine/lag.py)
+        # Only the attempt's first call is the one its dispatch counted: it alone is reported
+        # (the pacer's measured headroom, engine/lag.py; the provider's view, provider_view.py).
+        if job is not None and not job.note_sent():
+            job = None
         sent = time.monotonic()
         try:
             response = await self._client.send(request)
@@ -626,11 +633,13 @@ class HTTPProvider:
             raise self.unexpected(path, "the body is not a JSON object")
         limits = rate_limits(response.headers)
         if job is not None:
+            # (a negative figure, which some servers send, is taken as not said: reporting
+            # must never fail a call that was served)
             job.note_provider_limits(
-                limit_requests=limits.limit_requests,
-                remaining_requests=limits.remaining_requests,
-                limit_tokens=limits.limit_tokens,
-                remaining_tokens=limits.remaining_tokens,
+                limit_requests=_count_or_none(limits.limit_requests),
+                remaining_requests=_count_or_none(limits.remaining_requests),
+                limit_tokens=_count_or_none(limits.limit_tokens),
+                remaining_tokens=_count_or_none(limits.remaining_tokens),
                 transit_ms=transit_ms(response.headers, (time.monotonic() - sent) * 1000),
             )
         return data, limits

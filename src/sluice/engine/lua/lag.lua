@@ -11,13 +11,14 @@
 -- ARGV[6] 1 to withdraw the worker's report instead (it is leaving)
 --
 -- The spread is taken over at most LAGS_MAX reports (bounded work); with more
--- workers than that, a report only ever raises the headroom until the
--- others expire. A change of the headroom the token-rate windows count over
+-- workers than that, a report only ever raises the headroom, and a random
+-- LAGS_MAX of the reports are looked at for expired ones, until there are few
+-- enough to read again. A change of the headroom the token-rate windows count over
 -- (the larger of 'headroom_ms' and 'lag_h') rewrites their lengths (at most
 -- three: '#tpm' and its caps), as pace.lua does. A window that grows by d ms
 -- would count again the charges it dropped in its last d ms, which are gone
 -- from its log: in their place it is charged their likely sum, 'used' x d /
--- its old length, as one charge 'n g:<now>' that leaves it d / 2 ms from now
+-- its old length, as one charge 'n g:<now>:<worker>' that leaves it d / 2 ms from now
 -- (measured: without it the token window admitted a call or two too early
 -- each time the headroom grew, and the provider refused them). Returns the
 -- measured headroom (ms).
@@ -26,7 +27,7 @@
 
 local LAGS_MAX = 256
 local LAG_MAX_MS = 500   -- what the measured headroom may reach: past it, a 429 says more
-local HEADROOM_MS = 20   -- the headroom unless set (the default: dispatch.lua)
+local HEADROOM_MS = 10   -- the headroom unless set (the default: dispatch.lua)
 local WINDOWS_MAX = 3    -- token windows at most: '#tpm' and two caps (pace.lua's)
 
 local now = clock_ms(ARGV[1])
@@ -50,8 +51,17 @@ if redis.call('HLEN', lags) <= LAGS_MAX then
     end
   end
 else
+  -- Too many to read: a bounded sample of them is looked at, and those that
+  -- expired go, so that crashed workers' reports cannot keep it this size.
+  local some = redis.call('HRANDFIELD', lags, LAGS_MAX, 'WITHVALUES')
+  for i = 1, #some, 2 do
+    local exp = tonumber(string.match(some[i + 1], ' (%S+)$'))
+    if not exp or exp < now then redis.call('HDEL', lags, some[i]) end
+  end
   lo, hi = tonumber(ARGV[3]), tonumber(ARGV[4])
 end
+-- A queue whose workers all stopped keeps no reports.
+if ARGV[6] ~= '1' then redis.call('PEXPIRE', lags, 2 * tonumber(ARGV[5]) + 1000) end
 local h = 0
 if lo and hi then h = math.min(math.max(math.ceil(hi - lo), 0), LAG_MAX_MS) end
 if lo and hi and redis.call('HLEN', lags) > LAGS_MAX then
@@ -71,7 +81,7 @@ if h ~= was then
       redis.call('HSET', bk, 'win_ms', nominal + math.max(floor, h))
       if grow > 0 and win > 0 and used > 0 then
         local dropped = math.ceil(used * grow / win)
-        redis.call('ZADD', lk, now - win - math.floor(grow / 2), dropped .. ' g:' .. now)
+        redis.call('ZADD', lk, now - win - math.floor(grow / 2), dropped .. ' g:' .. now .. ':' .. ARGV[2])
         redis.call('HSET', bk, 'used', used + dropped)
       end
     end

@@ -32,7 +32,7 @@ local WINDOWS_MAX = 3 -- per kind (dispatch.lua's; flow.py checks it)
 
 local function headroom()
   local f = redis.call('HMGET', control, 'headroom_ms', 'lag_h')
-  return math.max(tonumber(f[1]) or 20, tonumber(f[2]) or 0) -- (20: the default, dispatch.lua)
+  return math.max(tonumber(f[1]) or 10, tonumber(f[2]) or 0) -- (10: the default, dispatch.lua)
 end
 
 -- The caps of a kind as {ms, limit} pairs (tokens: the limit from the cap's budget).

@@ -26,7 +26,7 @@
 --   concurrency, rate, token_rate, budget).
 --   The request-rate and token-rate limits each have two parts: the exact log
 --   (the starts zset; the '#tpm' rolling budget), counted over W + h (the
---   headroom: the larger of control 'headroom_ms', 20 unless set, and the
+--   headroom: the larger of control 'headroom_ms', 10 unless set, and the
 --   workers' measured 'lag_h'), is the hard cap; a pacer (a GCRA with
 --   tolerance tau, control 'tolerance_ms', 'off' for none) spaces the starts
 --   (W + h) / N apart, per request or per token. A job starts only when the
@@ -166,7 +166,7 @@ local PACE_TOLERANCE_MS = 20
 -- The least headroom when none is set (ms): the workers' measured spread of
 -- dispatch-to-send delays (control 'lag_h', see lag.lua) is used when larger
 -- (docs/architecture.md, "The pacer").
-local PACE_HEADROOM_MS = 20
+local PACE_HEADROOM_MS = 10
 -- The most the measured headroom may be (lag.lua's LAG_MAX_MS).
 local LAG_KEEP_MS = 500
 -- Windows per kind (requests, tokens) at most: the paced one and two caps (pace.lua's).
