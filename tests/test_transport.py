@@ -79,6 +79,7 @@ CALLS: dict[str, Call] = {
     "Queue.set_token_rate_limit": lambda q: q.set_token_rate_limit(100),
     "Queue.set_limits": lambda q: q.set_limits(requests={"minute": 60, "day": 1000}),
     "Queue.set_pacing": lambda q: q.set_pacing(headroom_ms=10),
+    "Queue.follow_provider": lambda q: q.follow_provider(False),
     "Queue.pause": lambda q: q.pause(),
     "Queue.resume": lambda q: q.resume(),
     "Queue.throttle": lambda q: q.throttle(1),
