@@ -244,7 +244,8 @@ async def test_two_workers_growing_the_window_at_once_leave_a_consistent_count(q
     await report(queue, "a", 0.0, 40.0, T + 10)
     await report(queue, "b", 0.0, 60.0, T + 10)  # the same ms: two charges, not one overwritten
     budget = queue.keys.budget_prefix + TOKEN_RATE_BUDGET
-    log = await queue.redis.zrange(queue.keys.budget_log_prefix + TOKEN_RATE_BUDGET, 0, -1)
-    assert int(await queue.redis.hget(budget, "used")) == sum(int(m.split(b" ")[0]) for m in log)
+    log: list[bytes] = await queue.redis.zrange(queue.keys.budget_log_prefix + TOKEN_RATE_BUDGET, 0, -1)  # type: ignore[assignment]
+    used: bytes = await queue.redis.hget(budget, "used")  # type: ignore[assignment]
+    assert int(used) == sum(int(m.split(b" ")[0]) for m in log)
     # and once every charge has left, the window is empty
     assert (await queue.flow(now=T + 10 * 60_000)).tokens_in_window == 0
