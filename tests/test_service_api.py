@@ -197,6 +197,37 @@ async def test_the_sink_applies_a_batch_again_without_change(api: Running) -> No
     assert [(a["token"], a["outcome"]) for a in got["attempt_list"]] == [(1, "completed")]
 
 
+async def _hget_calls(api: Running) -> int:
+    stats: dict[str, Any] = await api.svc.queue.redis.info("commandstats")
+    return int(stats.get("cmdstat_hget", {}).get("calls", 0))
+
+
+async def test_the_sink_learns_a_jobs_store_id_from_its_added_event_without_a_lookup(api: Running) -> None:
+    # Given jobs submitted through the API (each enqueued under its store id's key) and one
+    # added to the engine directly, without a key
+    ids = [(await api.client.post("/v1/jobs", json={"type": "generic"})).json()["id"] for _ in range(3)]
+    await api.svc.queue.add("generic", {})
+    entries: Any = await api.svc.queue.redis.xrange(api.svc.queue.keys.events, "-", "+")
+    added = [fields for _, fields in entries if fields[b"ev"] == b"added"]
+    # Then the keyed jobs' events name their keys, and only theirs
+    assert [f.get(b"idem", b"").decode().rpartition("job:")[2] for f in added] == [*ids, ""]
+    # When the sink reads them, it knows the keyed jobs' store ids without reading the jobs
+    before = await _hget_calls(api)
+    await api.drain_events()
+    assert await _hget_calls(api) == before
+    engine_ids = [int(f[b"id"]) for f in added]
+    assert [api.sink._ids.get(e) for e in engine_ids[:3]] == [uuid.UUID(i).int for i in ids]
+    assert engine_ids[3] not in api.sink._ids
+    # And when the jobs move, the keyed ones reach the store with no lookup; the other is looked
+    # up once (it may be an older version's event) and skipped
+    reply = await api.svc.queue.protocol.step(want=4, lease_ms=10_000, worker_id="w")
+    assert len(reply.jobs) == 4 * 15  # four jobs leased, 15 fields each
+    await api.drain_events()
+    assert await _hget_calls(api) == before + 1
+    for job_id in ids:
+        assert (await api.client.get(f"/v1/jobs/{job_id}")).json()["status"] == "PROCESSING"
+
+
 # ---- the reconciler ----------------------------------------------------------------------------------------
 async def test_a_job_stored_but_never_enqueued_is_enqueued_by_the_reconciler(api: Running) -> None:
     # Given a job the API stored, then crashed before enqueueing (the store write alone)

@@ -509,6 +509,7 @@ async def ingest_rate(
     achieved = rate(good, max(seconds, last_ok))
     per_second = [sum(col) for col in zip(*(r["per_second_ok"] for r in results), strict=True)]
     steady = per_second[1 : int(seconds)] or per_second
+    worst = [max(col) for col in zip(*(r["per_second_worst_us"] for r in results), strict=True)]
     catch_up = await _sink_catch_up(run, server.queue)
     gen_cpu = sum(r["cpu_s"] for r in results)
     errors = sent - good
@@ -532,6 +533,7 @@ async def ingest_rate(
             "max": _ms(lag[-1] if lag else None),
         },
         "per_second_ok": {"min": min(steady, default=0), "max": max(steady, default=0)},
+        "per_second_worst_ms": [round(us / 1000, 1) for us in worst],
         "connections_opened": sum(r["connections_opened"] for r in results),
         "generator_cpu_us_per_request": round(gen_cpu / max(sent, 1) * 1e6, 1),
         **_cpu_delta(before, after, sent),

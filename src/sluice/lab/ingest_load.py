@@ -212,11 +212,17 @@ class _Tally:
     send_lag_us: list[int] = field(default_factory=list)
     #: answers with the expected status per second since t0 (by answer time)
     per_second_ok: Counter[int] = field(default_factory=Counter)
+    #: the slowest answer (µs) of the requests due in each second since t0: where a stall was
+    per_second_worst_us: dict[int, int] = field(default_factory=dict)
     last_ok: float = 0.0
 
     def answer(self, status: int, due: float, sent: float, now: float, t0: float, ok: int) -> None:
         self.statuses[str(status)] += 1
-        self.latency_us.append(round((now - due) * 1e6))
+        latency = round((now - due) * 1e6)
+        self.latency_us.append(latency)
+        second = int(due - t0)
+        if latency > self.per_second_worst_us.get(second, -1):
+            self.per_second_worst_us[second] = latency
         self.send_lag_us.append(round((sent - due) * 1e6))
         if status == ok:
             self.per_second_ok[int(now - t0)] += 1
@@ -232,6 +238,7 @@ class _Tally:
             "latency_us": sorted(self.latency_us),
             "send_lag_us": sorted(self.send_lag_us),
             "per_second_ok": [self.per_second_ok.get(s, 0) for s in range(int(max(seconds, 1)) + 1)],
+            "per_second_worst_us": [self.per_second_worst_us.get(s, 0) for s in range(int(max(seconds, 1)) + 1)],
             "last_ok_s": round(self.last_ok - t0, 4) if self.last_ok else None,
         }
 

@@ -187,6 +187,7 @@ class TransitionSink:
         #: objects: the collector walks every object it tracks, and 200,000 UUIDs made each
         #: full collection a pause of the API process that holds the map.
         self._ids: OrderedDict[int, int | None] = OrderedDict()
+        self._idem_prefix = queue.keys.idem_prefix + ENGINE_KEY_PREFIX
         self._group_ready = False
         self._pending_done = False
         self._leader_key = queue.keys.base + "sink-leader"
@@ -348,7 +349,6 @@ class TransitionSink:
         """What a batch does to each job it names, in job id order (two writers, as when a
         lease just changed hands, then lock rows alike)."""
         events = []
-        added = set()
         for sid, fields in entries:
             name = fields.get(b"ev", b"").decode()
             raw_id = fields.get(b"id", b"").decode()
@@ -357,14 +357,18 @@ class TransitionSink:
             if name == "added":
                 # Nothing to write: the API stored the row as QUEUED before it enqueued (this
                 # halves the store's writes while jobs pour in; the row learns its engine id
-                # from the first event that moves the job, or from the reconciler). The job's
-                # store id is looked up now, while jobs arrive, not when a drain needs it.
-                added.add(int(raw_id))
+                # from the first event that moves the job, or from the reconciler). The event
+                # names the job's idempotency key, hence its store id: remembered now, while
+                # jobs arrive, so that a drain needs no lookup. (An event without one, of a job
+                # added without a key or by an older version, is looked up when the job moves.)
+                idem = fields.get(b"idem")
+                if idem is not None:
+                    self._remember(int(raw_id), self._store_id(idem))
             elif name in STATUS_AFTER or name in ATTEMPT_OUTCOME or name == "failed":
                 events.append((_stream_id(sid), name, int(raw_id), fields))
-        ids = await self._resolve(added | {e[2] for e in events})
         if not events:
             return []
+        ids = await self._resolve({e[2] for e in events})
         patches: dict[int, _Patch] = {}
         for ev, name, engine_id, fields in events:
             job = ids.get(engine_id)
@@ -397,21 +401,28 @@ class TransitionSink:
                 for engine_id in unknown:
                     pipe.hget(keys.job(str(engine_id)), "idem")
                 idems = await pipe.execute()
-            prefix = keys.idem_prefix + ENGINE_KEY_PREFIX
             for engine_id, idem in zip(unknown, idems, strict=True):
-                job = None
-                text_idem = idem.decode() if idem else ""
-                if text_idem.startswith(prefix):
-                    try:
-                        job = uuid.UUID(text_idem[len(prefix) :])
-                    except ValueError:
-                        job = None
-                self._ids[engine_id] = job.int if job is not None else None
+                job = self._store_id(idem)
+                self._remember(engine_id, job)
                 if job is not None:
                     out[engine_id] = job
-            while len(self._ids) > _MAP_SIZE:
-                self._ids.popitem(last=False)
         return out
+
+    def _store_id(self, idem: bytes | None) -> uuid.UUID | None:
+        """The store id in an engine idempotency key (None: not a key the API made)."""
+        text_idem = idem.decode() if idem else ""
+        if not text_idem.startswith(self._idem_prefix):
+            return None
+        try:
+            return uuid.UUID(text_idem[len(self._idem_prefix) :])
+        except ValueError:
+            return None
+
+    def _remember(self, engine_id: int, job: uuid.UUID | None) -> None:
+        self._ids[engine_id] = job.int if job is not None else None
+        self._ids.move_to_end(engine_id)
+        if len(self._ids) > _MAP_SIZE:
+            self._ids.popitem(last=False)
 
     async def _results(self, patches: list[_Patch]) -> None:
         """Results too large for the event, read from the job's record."""

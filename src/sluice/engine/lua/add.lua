@@ -11,6 +11,9 @@
 --   correlation id ('' = none), idempotency key index k (0 = none),
 --   trace context ('' = none: a W3C traceparent, checked by the caller, stored as is)
 --
+-- A job added under an idempotency key says so in its 'added' event ('idem', the key), so
+-- that a reader of the stream can tell which job it is without reading the job.
+--
 -- Returns {id_1, created_1, id_2, created_2, ...}: created is 1 for a new job
 -- and 0 when an idempotency key already named a job (its id is returned);
 -- or {-1, budget} when a job names a budget that does not exist: then
@@ -69,8 +72,10 @@ for i = 1, n do
     if idem_k > 0 then
       redis.call('HSET', jk, 'idem', KEYS[8 + idem_k])
       redis.call('SET', KEYS[8 + idem_k], id, 'PX', idem_ttl)
+      emit(KEYS[4], maxlen, 'added', id, 'state', state, 'idem', KEYS[8 + idem_k])
+    else
+      emit(KEYS[4], maxlen, 'added', id, 'state', state)
     end
-    emit(KEYS[4], maxlen, 'added', id, 'state', state)
     added = added + 1
     out[#out + 1] = id
     out[#out + 1] = 1
