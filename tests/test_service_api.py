@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -55,7 +56,7 @@ async def test_nest_create_answers_the_record_with_the_designs_defaults(api: Run
         "error",
         "result",
     }
-    assert uuid.UUID(body["id"]).version == 4
+    assert uuid.UUID(body["id"]).version == 7
     assert (body["type"], body["status"], body["priority"], body["attempts"], body["maxAttempts"]) == (
         "generic",
         "QUEUED",
@@ -175,6 +176,17 @@ async def test_jobs_run_and_every_transition_reaches_the_store(
         dead = await _until_status(api, failing["id"], "DEAD_LETTER", "/v1/jobs/")
     assert done["result"] == {"ok": True, "attempt": 1}
     assert done["processed_at"] is not None and done["completed_at"] is not None
+    # the times are the events' own (the stream ids' ms), in order, and of this run
+    created, processed, completed = (
+        datetime.fromisoformat(done[k]) for k in ("created_at", "processed_at", "completed_at")
+    )
+    assert created <= processed + timedelta(milliseconds=1) and processed <= completed
+    assert completed - created < timedelta(seconds=30)
+    (only,) = done["attempt_list"]
+    assert (datetime.fromisoformat(only["started_at"]), datetime.fromisoformat(only["finished_at"])) == (
+        processed,
+        completed,
+    )
     assert [(a["attempt"], a["outcome"]) for a in done["attempt_list"]] == [(1, "completed")]
     assert dead["attempts"] == 2 and "payload.fail is true" in dead["error"]
     assert [(a["attempt"], a["outcome"]) for a in dead["attempt_list"]] == [(1, "failed"), (2, "failed")]

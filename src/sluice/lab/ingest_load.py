@@ -232,13 +232,14 @@ class _Tally:
         self.exceptions[type(exc).__name__] += 1
 
     def summary(self, t0: float, seconds: float) -> dict[str, Any]:
+        span = range(int(max(seconds, 1)) + 1)
         return {
             "statuses": dict(self.statuses),
             "exceptions": dict(self.exceptions),
             "latency_us": sorted(self.latency_us),
             "send_lag_us": sorted(self.send_lag_us),
-            "per_second_ok": [self.per_second_ok.get(s, 0) for s in range(int(max(seconds, 1)) + 1)],
-            "per_second_worst_us": [self.per_second_worst_us.get(s, 0) for s in range(int(max(seconds, 1)) + 1)],
+            "per_second_ok": [self.per_second_ok.get(s, 0) for s in span],
+            "per_second_worst_us": [self.per_second_worst_us.get(s, 0) for s in span],
             "last_ok_s": round(self.last_ok - t0, 4) if self.last_ok else None,
         }
 

@@ -30,6 +30,7 @@ from sluice.engine.codec import encode_limited
 from sluice.engine.job import JobSpec
 from sluice.errors import BudgetNotFound, InvalidJobError, RedisUnavailable, SluiceError, StoreUnavailable
 from sluice.llm.analysis import DEFAULT_BUDGET as ANALYSIS_BUDGET
+from sluice.store.ids import new_job_id
 from sluice.store.jobs import NewJob, StoredJob
 from sluice.store.patterns import ANALYSIS_JOB_TYPE
 from sluice.store.sink import engine_key
@@ -193,7 +194,7 @@ class Intake:
             )
 
     async def _submit(self, new: NewJob) -> tuple[StoredJob, bool]:
-        job_id = uuid.uuid4()
+        job_id = new_job_id()
         if new.type == LLM_JOB:
             new = llm_job(new)
         if self.token_rate_limit is not None and new.tokens > self.token_rate_limit:

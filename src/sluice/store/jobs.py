@@ -22,6 +22,7 @@ from sqlalchemy import and_, func, or_, select, text, tuple_
 from sqlalchemy.dialects.postgresql import insert
 
 from sluice.errors import InvalidJobError
+from sluice.store.ids import new_job_id
 from sluice.store.schema import AttemptRow, JobRow
 
 if TYPE_CHECKING:
@@ -287,7 +288,7 @@ class JobStore:
         by this tenant before, the first job and False (concurrent callers included)."""
         at = now or datetime.now(UTC)
         values = {
-            "id": uuid.uuid4(),
+            "id": new_job_id(),
             "tenant": new.tenant,
             "queue": new.queue,
             "type": new.type,
@@ -350,7 +351,7 @@ class JobStore:
             return []
         at = now or datetime.now(UTC)
         if ids is None:
-            ids = [uuid.uuid4() for _ in news]
+            ids = [new_job_id() for _ in news]
         elif len(ids) != len(news):
             raise ValueError(f"{len(ids)} ids for {len(news)} jobs")
         columns = (
