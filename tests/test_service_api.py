@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from sluice.service.handlers import service_worker
+from sluice.store import sink as sink_module
 from tests.conftest import eventually, running
 from tests.service_harness import Running, running_service
 
@@ -238,6 +239,43 @@ async def test_the_sink_learns_a_jobs_store_id_from_its_added_event_without_a_lo
     assert await _hget_calls(api) == before + 1
     for job_id in ids:
         assert (await api.client.get(f"/v1/jobs/{job_id}")).json()["status"] == "PROCESSING"
+
+
+async def test_a_dead_consumers_pending_events_are_taken_over_and_looked_for_now_and_then(
+    api: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sink_module, "CLAIM_IDLE_MS", 50)
+    monkeypatch.setattr(sink_module, "CLAIM_EVERY_S", 0.5)
+    redis, events = api.svc.queue.redis, api.svc.queue.keys.events
+    await api.sink.ensure_group()
+
+    async def started_by_a_consumer_that_dies() -> str:
+        # a job leased, whose events another API process's sink read and never acknowledged
+        job = (await api.client.post("/v1/jobs", json={"type": "generic"})).json()
+        await api.svc.queue.protocol.step(want=1, lease_ms=10_000, worker_id="w")
+        await redis.xreadgroup(sink_module.GROUP, "dead", {events: ">"})
+        return str(job["id"])
+
+    async def status(job_id: str) -> str:
+        return str((await api.client.get(f"/v1/jobs/{job_id}")).json()["status"])
+
+    first = await started_by_a_consumer_that_dies()
+    await asyncio.sleep(0.1)
+    # The first step looks, finds them idle long enough, and applies them
+    await api.drain_events()
+    assert await status(first) == "PROCESSING"
+    # A look that found nothing is not repeated at every step: the next dead entries wait for
+    # the next look, then are applied
+    await api.drain_events()
+    second = await started_by_a_consumer_that_dies()
+    await asyncio.sleep(0.1)
+    await api.drain_events()
+    assert await status(second) == "QUEUED"
+    await asyncio.sleep(0.5)
+    await api.drain_events()
+    assert await status(second) == "PROCESSING"
+    pending: Any = await redis.xpending(events, sink_module.GROUP)
+    assert pending["pending"] == 0
 
 
 # ---- the reconciler ----------------------------------------------------------------------------------------
