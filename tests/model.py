@@ -657,7 +657,10 @@ class Model:
             self.jobs[job_id] = job
             if spec.idem is not None:
                 self.idem[spec.idem] = job_id
-            self._emit("added", job_id, "state", state)
+            if idem_key is None:
+                self._emit("added", job_id, "state", state)
+            else:
+                self._emit("added", job_id, "state", state, "idem", idem_key)
             added += 1
             out.append((job_id, True))
         if added:

@@ -302,8 +302,7 @@ class TransitionSink:
             )
             entries = [e for e in claimed[1] if e[1]]
             # Nothing of a dead consumer's: look again in a while, not at every step. Each look
-            # scans the group's pending entries, which hold the batch being written (measured:
-            # a fifth of the Redis CPU a drained job cost with the store on).
+            # scans the group's pending entries, which hold the batch being written.
             self._next_claim = 0.0 if entries else time.monotonic() + CLAIM_EVERY_S
         if not entries:
             entries = await self._read(">", block=self._writing is None)
