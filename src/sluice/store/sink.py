@@ -83,6 +83,9 @@ ATTEMPT_OUTCOME = {
     "cancelled": "cancelled",
 }
 
+#: The events that change a row, by their name in the stream (``added`` does not: see _prepare).
+_APPLIED = {n.encode(): n for n in (*STATUS_AFTER, *ATTEMPT_OUTCOME, "failed") if n != "added"}
+
 
 async def caught_up(queue: Queue) -> bool:
     """Whether the sink has applied every event the queue still holds: its group was handed
@@ -139,9 +142,11 @@ async def engine_id_of(queue: Queue, job_id: uuid.UUID) -> int | None:
 
 
 def _stream_id(raw: bytes | str) -> tuple[int, int]:
-    s = raw.decode() if isinstance(raw, bytes) else raw
-    ms, _, seq = s.partition("-")
-    return int(ms), int(seq or 0)
+    if isinstance(raw, bytes):
+        ms, _, seq = raw.partition(b"-")
+        return int(ms), int(seq or 0)
+    text_ms, _, text_seq = raw.partition("-")
+    return int(text_ms), int(text_seq or 0)
 
 
 @dataclass
@@ -360,11 +365,11 @@ class TransitionSink:
         lease just changed hands, then lock rows alike)."""
         events = []
         for sid, fields in entries:
-            name = fields.get(b"ev", b"").decode()
-            raw_id = fields.get(b"id", b"").decode()
-            if not raw_id.isdigit():
+            raw_id = fields.get(b"id")
+            if raw_id is None or not raw_id.isdigit():
                 continue
-            if name == "added":
+            ev_name = fields.get(b"ev", b"")
+            if ev_name == b"added":
                 # Nothing to write: the API stored the row as QUEUED before it enqueued (this
                 # halves the store's writes while jobs pour in; the row learns its engine id
                 # from the first event that moves the job, or from the reconciler). The event
@@ -374,8 +379,10 @@ class TransitionSink:
                 idem = fields.get(b"idem")
                 if idem is not None:
                     self._remember(int(raw_id), self._store_id(idem))
-            elif name in STATUS_AFTER or name in ATTEMPT_OUTCOME or name == "failed":
-                events.append((_stream_id(sid), name, int(raw_id), fields))
+            else:
+                name = _APPLIED.get(ev_name)
+                if name is not None:
+                    events.append((_stream_id(sid), name, int(raw_id), fields))
         if not events:
             return []
         ids = await self._resolve({e[2] for e in events})
@@ -391,7 +398,7 @@ class TransitionSink:
         missing = [p for p in patches.values() if p.status == "COMPLETED" and not p.has_result]
         if missing:
             await self._results(missing)
-        return sorted(patches.values(), key=lambda p: p.job)
+        return sorted(patches.values(), key=lambda p: p.job.int)
 
     async def _resolve(self, engine_ids: set[int]) -> dict[int, uuid.UUID]:
         """Store ids of engine ids: from memory, else from the engine's record of the job."""
