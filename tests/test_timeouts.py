@@ -196,11 +196,16 @@ async def test_an_async_handler_that_blocks_the_loop_is_stopped_hard_and_retried
     # Given worker A (hard grace 0.5 s) running two jobs: one whose first attempt calls
     # time.sleep(8) in an async handler with a timeout of 1 s, and one that behaves
     # (both added before A starts: A's first call leases both, before the blocker can block
-    # its loop; added after, the bystander could find the loop already blocked)
-    blocker = await queue.add(
-        "block", {"block_on": [1], "seconds": 8}, timeout=1, max_attempts=2, backoff=Backoff.fixed(0.1)
-    )
+    # its loop; added after, the bystander could find the loop already blocked; and the
+    # blocker blocks only once the bystander has started, which it could otherwise not do)
     bystander = await queue.add("hold", {"hold": {"A": 30}})
+    blocker = await queue.add(
+        "block",
+        {"block_on": [1], "seconds": 8, "after": [bystander.id]},
+        timeout=1,
+        max_attempts=2,
+        backoff=Backoff.fixed(0.1),
+    )
     a = procs.start("A", "--concurrency", "2", "--hard-grace", "0.5")
     await eventually(lambda: _runs_are(redis, prefix, [blocker.id, bystander.id], 1), timeout=15)
     started = time.monotonic()
@@ -308,6 +313,18 @@ async def runs(redis: Redis, prefix: str, job_id: str) -> list[str]:
     return [r.decode() if isinstance(r, bytes) else r for r in raw]
 
 
+async def _started(redis_url: str, prefix: str, job_ids: list[str]) -> None:
+    """Wait (up to 5 s) until each of these jobs has recorded a run."""
+    client = connect(redis_url)
+    try:
+        for _ in range(500):
+            if all([await client.llen(runs_key(prefix, i)) for i in job_ids]):
+                return
+            await asyncio.sleep(0.01)
+    finally:
+        await client.aclose()
+
+
 def make_worker(redis_url: str, prefix: str) -> Worker:
     """The Worker of queue ``q`` that the processes run. Handlers, as the payload asks:
 
@@ -334,6 +351,7 @@ def make_worker(redis_url: str, prefix: str) -> Worker:
     async def block(job: JobContext) -> dict[str, Any]:
         payload = await record(job)
         if job.attempt in payload.get("block_on", []):
+            await _started(redis_url, prefix, payload.get("after", []))
             time.sleep(payload["seconds"])  # noqa: ASYNC251 - the mistake under test
         return done(job)
 
