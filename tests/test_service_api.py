@@ -364,9 +364,15 @@ async def test_a_job_waiting_past_the_grace_is_found_by_its_key_once_and_never_e
     # When the reconciler passes after the grace
     later = max(r.updated_at for r in rows if r is not None) + (await _grace(api))
     first = await api.reconciler.reconcile(now=later)
-    # Then it found them in the engine by their keys (nothing enqueued twice) and wrote each
-    # row's engine id, once
+    # Then it found them in the engine by their keys (nothing enqueued twice) and wrote
+    # nothing: a job that runs soon learns its engine id from the sink
     assert first.enqueued == 0
+    assert first.looked >= 3
+    assert [r.engine_id for r in [await api.svc.store.get(i) for i in ids] if r is not None] == [None] * 3
+    # and a pass after the jobs waited half their keys' life writes each row's engine id, once
+    later += timedelta(seconds=api.reconciler.mark_after)
+    assert api.reconciler.mark_after == api.svc.queue.idempotency_ttl_ms / 2000
+    assert (await api.reconciler.reconcile(now=later)).enqueued == 0
     engine_ids = [r.engine_id for r in [await api.svc.store.get(i) for i in ids] if r is not None]
     assert sorted(engine_ids) == [1, 2, 3]  # type: ignore[type-var]
     # and when the keys have expired (the queue's idempotency TTL, shorter than the delay),
