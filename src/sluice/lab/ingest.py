@@ -678,7 +678,7 @@ async def drain_with_store(run: _Run) -> dict[str, Any]:
             raise RuntimeError(f"submitting the drain's jobs failed: {submitted}")
         caught_up = await _sink_catch_up(run, queue_name)
         run.progress(f"drain with the store: {spec.drain_workers} workers")
-        measured = await _drain(run, queue, n, lambda: _store_completed(run, tenant), server)
+        measured = await _drain(run, queue, n, lambda: _store_completed(run, tenant, queue_name), server)
     finally:
         server.stop()
         await queue.close()
@@ -717,10 +717,31 @@ async def drain_engine_alone(run: _Run) -> dict[str, Any]:
         await drop_queue(run.redis, queue_name)
 
 
-async def _store_completed(run: _Run, tenant: str) -> int:
-    query = text("SELECT count(*) FROM jobs WHERE tenant = :t AND status = 'COMPLETED'")
+#: Whether a queue still has a job the store holds unfinished: the reconciler's partial index
+#: (``ix_jobs_unfinished``), which holds only such jobs, so that the answer costs a few index
+#: entries, not a visit to each of the drain's rows.
+_ANY_UNFINISHED = text(
+    "SELECT EXISTS (SELECT 1 FROM jobs WHERE queue = :q"
+    " AND status IN ('QUEUED', 'PROCESSING', 'FAILED', 'PARKED'))"
+)
+_COMPLETED = text("SELECT count(*) FROM jobs WHERE tenant = :t AND status = 'COMPLETED'")
+
+
+async def _store_completed(run: _Run, tenant: str, queue_name: str) -> int:
+    """How many of the drain's jobs the store shows COMPLETED; 0 while it holds any unfinished.
+
+    Counting them at every poll is what the drain measured first: a count
+    that visits up to 100,000 rows, 20 times a second, took 60-80 ms each
+    (8.8 s of PostgreSQL's time in a 20 s drain, billed to the store). So
+    the poll asks whether any job is unfinished, and counts only once none is.
+    """
     async with run.db.engine.connect() as conn:
-        return int(await conn.scalar(query, {"t": tenant}) or 0)
+        # The partial index, never a scan of the table (whose statistics may still say that
+        # every row is QUEUED, from before the drain).
+        await conn.execute(text("SET LOCAL enable_seqscan = off"))
+        if await conn.scalar(_ANY_UNFINISHED, {"q": queue_name}):
+            return 0
+        return int(await conn.scalar(_COMPLETED, {"t": tenant}) or 0)
 
 
 async def _drain(
@@ -749,7 +770,9 @@ async def _drain(
         while True:
             now = time.monotonic()
             engine = int(await run.redis.hget(queue.keys.stats, "completed") or 0)
-            stored = await store_done() if store_done is not None else None
+            # The store cannot be done before the engine: asked only then, so that the poll
+            # costs PostgreSQL nothing while the drain runs.
+            stored = await store_done() if store_done is not None and "engine" in marks else None
             if engine and "first" not in marks:
                 marks["first"] = (now, engine)
             if engine >= n and "engine" not in marks:
