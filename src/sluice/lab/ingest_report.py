@@ -126,8 +126,14 @@ def drain_table(result: Mapping[str, Any]) -> Table | None:
     )
     ratio = d["ratio"]
     met = ratio is not None and ratio >= TARGET_DRAIN_RATIO
+    rounds = d.get("rounds") or []
+    ratios = ", ".join(_n(r["ratio"], 2) for r in rounds)
+    of_rounds = (
+        f" (median of {len(rounds)} pairs: {ratios}; the rows are its pair)" if len(rounds) > 1 else ""
+    )
     table.caption = Text.assemble(
-        f"store-complete rate / engine-alone rate = {_n(ratio, 2)} (target >= {TARGET_DRAIN_RATIO:.2f}): ",
+        f"store-complete rate / engine-alone rate = {_n(ratio, 2)}{of_rounds} "
+        f"(target >= {TARGET_DRAIN_RATIO:.2f}): ",
         _yes(met),
         f"; closed-loop submit rate while loading: {_n(w.get('submit_closed_loop_rate'))}/s",
     )
