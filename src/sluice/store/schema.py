@@ -115,8 +115,8 @@ class AttemptRow(Base):
 
     __tablename__ = "job_attempts"
 
-    #: the job's id in ``jobs``; not a foreign key, whose check cost a third of each attempt
-    #: the sink writes (migration 0007 says how that was measured); nothing deletes jobs
+    #: the job's id in ``jobs``; not a foreign key, whose check cost more than the rest of
+    #: each attempt the sink writes (migration 0007 has the figures); nothing deletes jobs
     job_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
     token: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     attempt: Mapped[int] = mapped_column(Integer, nullable=False)

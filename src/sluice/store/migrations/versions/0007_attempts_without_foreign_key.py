@@ -1,4 +1,4 @@
-"""Drop the attempts' foreign key to jobs: the sink's check of it cost a third of an attempt's write.
+"""Drop the attempts' foreign key to jobs: its check cost more than the rest of an attempt's write.
 
 Each attempt the transition sink inserts made PostgreSQL look up its job and
 lock it (FOR KEY SHARE) to check the key, although the same transaction had
