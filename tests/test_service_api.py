@@ -278,6 +278,44 @@ async def test_a_dead_consumers_pending_events_are_taken_over_and_looked_for_now
     assert pending["pending"] == 0
 
 
+async def test_a_look_for_a_dead_consumers_events_reads_only_its_list_a_batch_at_a_time(
+    api: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sink_module, "CLAIM_IDLE_MS", 50)
+    monkeypatch.setattr(api.sink, "batch", 3)
+    redis, events = api.svc.queue.redis, api.svc.queue.keys.events
+    await api.sink.ensure_group()
+    # Seven jobs leased, whose events a sink that then died read and never acknowledged; and
+    # one more job's, that this sink has read and not yet acknowledged (its batch in flight)
+    ids = [(await api.client.post("/v1/jobs", json={"type": "generic"})).json()["id"] for _ in range(7)]
+    await api.svc.queue.protocol.step(want=7, lease_ms=10_000, worker_id="w")
+    read: Any = await redis.xreadgroup(sink_module.GROUP, "dead", {events: ">"})
+    assert len(read[0][1]) == 14  # each job's 'added' and 'active'
+    await api.client.post("/v1/jobs", json={"type": "generic"})
+    await redis.xreadgroup(sink_module.GROUP, api.sink.consumer, {events: ">"})
+    await asyncio.sleep(0.1)
+    looked_into: list[str] = []
+    xpending_range = redis.xpending_range
+
+    async def spied(*args: Any, **kwargs: Any) -> Any:
+        looked_into.append(kwargs["consumername"])
+        return await xpending_range(*args, **kwargs)
+
+    async def no_scan(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("XAUTOCLAIM scans every consumer's pending entries")
+
+    monkeypatch.setattr(redis, "xpending_range", spied)
+    monkeypatch.setattr(redis, "xautoclaim", no_scan)
+    await api.drain_events()
+    # Only the dead consumer's list was looked into, a batch (3) at a time, until all its
+    # fourteen entries were taken over and applied
+    assert looked_into and set(looked_into) == {"dead"} and len(looked_into) >= 5
+    statuses = {(await api.client.get(f"/v1/jobs/{i}")).json()["status"] for i in ids}
+    assert statuses == {"PROCESSING"}
+    pending: Any = await redis.xpending(events, sink_module.GROUP)
+    assert pending["pending"] == 0
+
+
 # ---- the reconciler ----------------------------------------------------------------------------------------
 async def test_a_job_stored_but_never_enqueued_is_enqueued_by_the_reconciler(api: Running) -> None:
     # Given a job the API stored, then crashed before enqueueing (the store write alone)

@@ -294,7 +294,6 @@ class TransitionSink:
             return 0
 
     async def _step(self) -> int:
-        redis, key = self.queue.redis, self.queue.keys.events
         entries: list[tuple[bytes, dict[bytes, bytes]]] = []
         if not self._pending_done:
             await self.flush()  # what is being written is pending too: read it once, written
@@ -302,12 +301,8 @@ class TransitionSink:
             if not entries:
                 self._pending_done = True
         if not entries and time.monotonic() >= self._next_claim:
-            claimed: Any = await redis.xautoclaim(
-                key, GROUP, self.consumer, min_idle_time=CLAIM_IDLE_MS, start_id="0-0", count=self.batch
-            )
-            entries = [e for e in claimed[1] if e[1]]
-            # Nothing of a dead consumer's: look again in a while, not at every step. Each look
-            # scans the group's pending entries, which hold the batch being written.
+            entries = await self._claim()
+            # Nothing of a dead consumer's: look again in a while, not at every step.
             self._next_claim = 0.0 if entries else time.monotonic() + CLAIM_EVERY_S
         if not entries:
             entries = await self._read(">", block=self._writing is None)
@@ -318,6 +313,34 @@ class TransitionSink:
         await self.flush()
         self._writing = asyncio.create_task(self._commit(entries, patches), name="sluice-sink-write")
         return len(entries)
+
+    async def _claim(self) -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """Up to a batch of another consumer's entries, idle for ``CLAIM_IDLE_MS``, now this one's.
+
+        The group's summary names the consumers that hold pending entries (a
+        read of one counter per consumer); only another's are looked into, in
+        its own list, by idle time. ``XAUTOCLAIM`` scanned the whole group's
+        list instead, this sink's batch in flight included, while Redis served
+        nobody: 21 ms a look during a drain.
+        """
+        redis, key = self.queue.redis, self.queue.keys.events
+        summary: Any = await redis.xpending(key, GROUP)
+        for consumer in summary.get("consumers") or ():
+            name = _text(consumer["name"])
+            if name == self.consumer or not int(consumer["pending"]):
+                continue
+            idle: Any = await redis.xpending_range(
+                key, GROUP, "-", "+", self.batch, consumername=name, idle=CLAIM_IDLE_MS
+            )
+            if not idle:
+                continue
+            claimed: Any = await redis.xclaim(
+                key, GROUP, self.consumer, CLAIM_IDLE_MS, [row["message_id"] for row in idle]
+            )
+            entries = [e for e in claimed if e and e[1]]
+            if entries:
+                return entries
+        return []
 
     async def _drop_writing(self) -> None:
         """Stop the write in flight, if any: its entries stay pending, for the next read."""
