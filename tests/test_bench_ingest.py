@@ -206,3 +206,37 @@ def test_sluice_bench_ingest_short_run(tmp_path: Path, sluice_database_url: str)
     assert set(data["targets"]) == {"ingest", "race", "drain"}
     assert "The idempotency race" in done.stdout and "Targets" in done.stdout
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("server", ["redis", "database"])
+def test_a_given_server_that_is_down_is_named_with_what_to_do(server: str) -> None:
+    from sluice.testing.embedded import free_port
+
+    down = (
+        f"redis://127.0.0.1:{free_port()}/0"
+        if server == "redis"
+        else f"postgresql://u:pw@127.0.0.1:{free_port()}/x"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")} | {"COLUMNS": "400"}
+    argv = [
+        sys.executable,
+        "-m",
+        "sluice",
+        "bench",
+        "ingest",
+        f"--{server}",
+        down,
+        "-r",
+        "10",
+        "--seconds",
+        "1",
+    ]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    said = " ".join(done.stderr.split())
+    assert "internal error" not in said and "Traceback" not in said
+    if server == "redis":
+        assert f"Redis at {down} is unavailable" in said and "--redis or SLUICE_REDIS_URL" in said
+    else:
+        assert "PostgreSQL at postgresql://u:***@127.0.0.1" in said and "cannot be reached" in said
+        assert "pw" not in said and "check --database or SLUICE_DATABASE_URL" in said

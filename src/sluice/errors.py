@@ -144,12 +144,10 @@ class StoreUnavailable(SluiceError, ConnectionError):
     the commit, it was, and the reconciler enqueues it): send the request again with its
     idempotency key, which names one job however often it is sent."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, advice: str = "") -> None:
         self.reason = reason
-        super().__init__(
-            f"the store (PostgreSQL) is unavailable: {reason}; try again shortly "
-            "(check that it runs and SLUICE_DATABASE_URL)"
-        )
+        advice = advice or "try again shortly (check that it runs and SLUICE_DATABASE_URL)"
+        super().__init__(f"the store (PostgreSQL) is unavailable: {reason}; {advice}")
 
 
 class RedisCommandError(SluiceError):

@@ -423,6 +423,7 @@ def ingest(
         DEFAULT_API_PROCESSES,
         DEFAULT_RACES,
         DEFAULT_RATES,
+        BenchDatabase,
         IngestSpec,
         bench_database,
         run_ingest,
@@ -451,21 +452,25 @@ def ingest(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 
-    async def go(url: str, origin: str, log_dir: Path) -> dict[str, Any]:
+    async def go(url: str, origin: str, db: BenchDatabase, log_dir: Path) -> dict[str, Any]:
         client = connect(url)
         try:
             meta = await machine_meta(client, url, origin)
-            with bench_database(database, durable=durable) as db, console.status("starting") as status:
-                meta["database"] = db.origin
+            meta["database"] = db.origin
+            with console.status("starting") as status:
                 result = await run_ingest(client, url, db, spec, log_dir, status.update)
         finally:
             await client.aclose()
         return {"meta": meta, **result}
 
-    with bench_redis(redis) as (url, origin), tempfile.TemporaryDirectory(prefix="sluice-bench-logs-") as tmp:
+    with (
+        bench_redis(redis) as (url, origin),
+        bench_database(database, durable=durable) as db,
+        tempfile.TemporaryDirectory(prefix="sluice-bench-logs-") as tmp,
+    ):
         log_dir = logs or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        data = run(go(url, origin, log_dir))
+        data = run(go(url, origin, db, log_dir))
     console.print(ingest_table(data))
     if data["race"]:
         console.print(race_table(data))

@@ -23,9 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
+from redis import Redis as SyncRedis
+from redis.exceptions import RedisError
 
 import sluice
+from sluice.engine.connection import connect, redact
 from sluice.engine.keys import QueueKeys
+from sluice.errors import RedisUnavailable
 from sluice.settings import ENV_REDIS_URL
 from sluice.testing.embedded import EmbeddedRedis
 
@@ -43,12 +47,31 @@ def bench_redis(explicit: str | None) -> Iterator[tuple[str, str]]:
     """
     url = explicit or os.environ.get(ENV_REDIS_URL)
     if url:
+        check_redis(url)
         yield url, "given"
         return
     with tempfile.TemporaryDirectory(prefix="sluice-bench-redis-") as tmp:
         server = EmbeddedRedis(tmp, port=0, persist=False)
         with server:
             yield server.url, f"embedded redis-server {server.binary.version} ({server.binary.origin})"
+
+
+def check_redis(url: str) -> None:
+    """A given Redis answers a PING, or the benchmark stops here, saying so: a refused
+    connection deep inside a run read as an internal error."""
+    connect(url)  # the URL's form (a ConfigurationError saying how to write it)
+    client = SyncRedis.from_url(url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        client.ping()
+    except (RedisError, OSError) as exc:
+        raise RedisUnavailable(
+            redact(url),
+            " ".join(str(exc).split()).rstrip(".") or type(exc).__name__,
+            "Check that it runs and that --redis or SLUICE_REDIS_URL names it; without either, the "
+            "benchmark starts a throw-away Redis of its own",
+        ) from None
+    finally:
+        client.close()
 
 
 def new_queue_name(kind: str) -> str:

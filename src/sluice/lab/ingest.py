@@ -55,16 +55,18 @@ import httpx
 import orjson
 import psutil
 from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
 
 from sluice.engine.job import JobSpec
 from sluice.engine.queue import Queue
+from sluice.errors import ConfigurationError, StoreUnavailable
 from sluice.lab.common import drop_queue, new_queue_name
 from sluice.lab.ingest_worker import SERVICE_EVENTS_MAXLEN
 from sluice.lab.procs import WorkerGroup, process_cpu_s, redis_cpu_s
 from sluice.lab.stats import percentile, rate, summarize_ms
 from sluice.service.submit import NEST_BACKOFF
 from sluice.settings import ENV_DATABASE_URL
-from sluice.store.database import Database
+from sluice.store.database import Database, redact_url
 from sluice.store.keys import KeyStore
 from sluice.store.sink import caught_up, engine_key
 from sluice.testing.embedded import free_port
@@ -169,6 +171,28 @@ class BenchDatabase:
     version: str | None = None
 
 
+async def check_database(url: str, *, from_env: bool = True) -> None:
+    """A given PostgreSQL takes a connection, or the benchmark stops here, saying so (and
+    how to fix it): a refused connection deep inside a run read as an internal error."""
+    db: Database | None = None
+    try:
+        db = Database(url, pool_size=1)
+        async with asyncio.timeout(10):
+            await db.ping()
+    except ConfigurationError:
+        raise  # the URL's form: its own message says how to write it
+    except (OSError, TimeoutError, SQLAlchemyError) as exc:  # refused, no such database, password...
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        named_by = "--database or SLUICE_DATABASE_URL" if from_env else "--database"
+        raise StoreUnavailable(
+            f"PostgreSQL at {redact_url(url)} cannot be reached ({type(exc).__name__}: {reason})",
+            f"check {named_by} and that the server runs, or leave it out for a throw-away server",
+        ) from None
+    finally:
+        if db is not None:
+            await db.close()
+
+
 @contextlib.contextmanager
 def bench_database(
     explicit: str | None, *, durable: bool = True, from_env: bool = True
@@ -185,6 +209,7 @@ def bench_database(
     """
     url = explicit or (os.environ.get(ENV_DATABASE_URL) if from_env else None)
     if url:
+        asyncio.run(check_database(url, from_env=from_env))
         yield BenchDatabase(url, "given")
         return
     with tempfile.TemporaryDirectory(prefix="sluice-bench-pg-") as tmp:
