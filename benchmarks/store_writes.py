@@ -44,7 +44,7 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 from sqlalchemy.engine import make_url
 
-from sluice.store.database import Database
+from sluice.store.database import Database, redact_url
 from sluice.store.sink import _START, _UPDATE
 from sluice.testing.postgres import EmbeddedPostgres
 
@@ -219,7 +219,16 @@ def cli(argv: list[str] | None = None) -> int:
         parser.error("--jobs, --batch and --reps must be at least 1")
     variants = args.variant or list(VARIANTS)
     if args.database:
-        result = asyncio.run(main(args.database, variants, args.jobs, args.batch, args.reps))
+        try:
+            result = asyncio.run(main(args.database, variants, args.jobs, args.batch, args.reps))
+        except (OSError, asyncpg.PostgresError) as exc:
+            print(
+                f"error: PostgreSQL at {redact_url(args.database)} failed: {type(exc).__name__}: {exc}; "
+                "check that it runs and that its user may create databases (or leave out --database for an "
+                "embedded server)",
+                file=sys.stderr,
+            )
+            return 1
     else:
         with (
             tempfile.TemporaryDirectory(prefix="sluice-store-writes-") as tmp,

@@ -49,6 +49,17 @@ async def test_every_variant_runs_and_leaves_no_database_behind(
     assert await _databases(sluice_database_url) == before
 
 
+def test_a_server_that_is_down_is_named_with_what_to_do() -> None:
+    down = "postgresql://postgres:secret@127.0.0.1:1/x"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--database", down, "--jobs", "10"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "error: PostgreSQL at postgresql://postgres:***@127.0.0.1:1/x failed" in done.stderr
+    assert "secret" not in done.stderr and "Traceback" not in done.stderr
+
+
 def test_bad_arguments_say_what_is_wrong() -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--jobs", "0"], capture_output=True, text=True, timeout=60, check=False
