@@ -8,13 +8,13 @@ in batches of ``--batch``, the sink's own statements), and reports the CPU
 the PostgreSQL backend spent per job. It runs each variant of the schema
 ``--reps`` times, interleaved, each in a fresh database:
 
-- ``as built``: the migrations at head;
-- ``attempts FK``: with the attempts' foreign key to jobs (before 0007);
-- ``no attempts``: the job's UPDATE alone (what the attempt costs at all);
-- ``narrow state``: a design study, not the schema: the columns a transition
-  changes in a narrow table of their own, with the list-by-status and the
-  partial indexes, so that an update rewrites a narrow row and two index
-  entries instead of the whole job and five.
+- ``as built``: the migrations at head (a job's state in ``job_states``, a
+  narrow row of its own, since 0008);
+- ``wide jobs``: before 0008, the state in the job's own row, so that an
+  update rewrites the whole job and adds an entry to each of its five indexes;
+- ``attempts FK``: as ``wide jobs``, with the attempts' foreign key to jobs
+  (before 0007);
+- ``no attempts``: the job's UPDATE alone (what the attempt costs at all).
 
     .venv/bin/python benchmarks/store_writes.py
     .venv/bin/python benchmarks/store_writes.py --database postgresql://postgres@127.0.0.1:5432/postgres
@@ -48,41 +48,38 @@ from sluice.store.database import Database, redact_url
 from sluice.store.sink import _START, _UPDATE
 from sluice.testing.postgres import EmbeddedPostgres
 
-VARIANTS = ("as built", "attempts FK", "no attempts", "narrow state")
+VARIANTS = ("as built", "wide jobs", "attempts FK", "no attempts")
+#: The schema each variant starts from (a migration's revision).
+_REVISION = {"wide jobs": "0007", "attempts FK": "0007"}
 
-_NARROW = """
-CREATE TABLE job_state (
-  id uuid PRIMARY KEY, tenant text NOT NULL, queue text NOT NULL, created_at timestamptz NOT NULL,
-  status text NOT NULL, engine_id bigint, attempts int NOT NULL DEFAULT 0, result jsonb, error text,
-  processed_at timestamptz, completed_at timestamptz, ev_ms bigint NOT NULL DEFAULT 0,
-  ev_seq bigint NOT NULL DEFAULT 0, updated_at timestamptz NOT NULL);
-CREATE INDEX ix_job_state_tenant_status ON job_state (tenant, status, created_at DESC, id DESC);
-CREATE INDEX ix_job_state_unfinished ON job_state (queue, updated_at)
-  WHERE status IN ('QUEUED', 'PROCESSING', 'FAILED', 'PARKED');
-CREATE INDEX ix_job_state_failed ON job_state (updated_at, id)
-  WHERE status IN ('DEAD_LETTER', 'REJECTED', 'EXHAUSTED');
-DROP INDEX ix_jobs_tenant_status_created; DROP INDEX ix_jobs_unfinished; DROP INDEX ix_jobs_failed;
-"""
 # The sink's planner settings (sink.py says why).
 _PLAN = "SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; SET LOCAL enable_seqscan = off"
 _FK = (
     "ALTER TABLE job_attempts ADD CONSTRAINT fk_job_attempts_job_id_jobs "
     "FOREIGN KEY (job_id) REFERENCES jobs (id) ON DELETE CASCADE"
 )
-# The API's row, as ``JobStore`` inserts it for a NestJS-style ``generic`` job with a key.
+# The API's rows, as ``JobStore`` inserts them for a NestJS-style ``generic`` job with a key.
 _INSERT = """
+WITH j AS (
+    INSERT INTO jobs (id, tenant, queue, type, priority, max_attempts, payload, idempotency_key,
+                      correlation_id, tokens, delay_ms, backoff, created_at)
+    SELECT id, 't', 'q', 'generic', 10, 10, ('{"n":' || n || '}')::jsonb, 'key-' || id, md5(id::text),
+           0, 0, '["exponential", 2.0, 86400.0, 0.0]'::jsonb, $2
+    FROM unnest($1::uuid[]) WITH ORDINALITY AS t(id, n)
+    RETURNING id
+)
+INSERT INTO job_states (id, tenant, queue, created_at, status, updated_at)
+SELECT id, 't', 'q', $2, 'QUEUED', $2 FROM j
+"""
+_INSERT_WIDE = """
 INSERT INTO jobs (id, tenant, queue, type, status, priority, attempts, max_attempts, payload,
                   idempotency_key, correlation_id, tokens, delay_ms, backoff, created_at, updated_at)
 SELECT id, 't', 'q', 'generic', 'QUEUED', 10, 0, 10, ('{"n":' || n || '}')::jsonb, 'key-' || id,
        md5(id::text), 0, 0, '["exponential", 2.0, 86400.0, 0.0]'::jsonb, $2, $2
 FROM unnest($1::uuid[]) WITH ORDINALITY AS t(id, n)
 """
-_COMPLETED = "SELECT count(*) FROM jobs WHERE status = 'COMPLETED'"
-_COMPLETED_STATE = "SELECT count(*) FROM job_state WHERE status = 'COMPLETED'"
-_INSERT_STATE = """
-INSERT INTO job_state (id, tenant, queue, created_at, status, updated_at)
-SELECT id, 't', 'q', $2, 'QUEUED', $2 FROM unnest($1::uuid[]) AS t(id)
-"""
+_COMPLETED = "SELECT count(*) FROM job_states WHERE status = 'COMPLETED'"
+_COMPLETED_WIDE = "SELECT count(*) FROM jobs WHERE status = 'COMPLETED'"
 
 
 def _cpu_s(pid: int) -> float | None:
@@ -103,7 +100,7 @@ async def run_variant(server_url: str, variant: str, jobs: int, batch: int) -> d
     try:
         db = Database(url.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False))
         try:
-            await db.migrate()
+            await db.migrate(_REVISION.get(variant, "head"))
         finally:
             await db.close()
         conn = await asyncpg.connect(url.render_as_string(hide_password=False))
@@ -117,21 +114,17 @@ async def run_variant(server_url: str, variant: str, jobs: int, batch: int) -> d
 
 
 async def _measure(conn: asyncpg.Connection, variant: str, jobs: int, batch: int) -> dict[str, Any]:
-    narrow = variant == "narrow state"
+    wide = variant in _REVISION
     if variant == "attempts FK":
         await conn.execute(_FK)
-    if narrow:
-        await conn.execute(_NARROW)
     ids = [uuid.uuid4() for _ in range(jobs)]
     now = datetime.now(UTC)
     for start in range(0, jobs, 5000):
-        await conn.execute(_INSERT, ids[start : start + 5000], now)
-        if narrow:
-            await conn.execute(_INSERT_STATE, ids[start : start + 5000], now)
+        await conn.execute(_INSERT_WIDE if wide else _INSERT, ids[start : start + 5000], now)
     # What autovacuum would have done by then, and a checkpoint: every variant starts alike.
     await conn.execute("VACUUM ANALYZE")
     await conn.execute("CHECKPOINT")
-    update = _UPDATE.replace("UPDATE jobs AS j", "UPDATE job_state AS j") if narrow else _UPDATE
+    update = _UPDATE.replace("UPDATE job_states AS j", "UPDATE jobs AS j") if wide else _UPDATE
     pid = await conn.fetchval("SELECT pg_backend_pid()")
     ms = int(time.time() * 1000)
     cpu0, wall0 = _cpu_s(pid), time.perf_counter()
@@ -150,7 +143,7 @@ async def _measure(conn: asyncpg.Connection, variant: str, jobs: int, batch: int
                     ["completed"] * n, [None] * n,
                 )  # fmt: skip
     cpu1, wall = _cpu_s(pid), time.perf_counter() - wall0
-    done = await conn.fetchval(_COMPLETED_STATE if narrow else _COMPLETED)
+    done = await conn.fetchval(_COMPLETED_WIDE if wide else _COMPLETED)
     if done != jobs:
         raise RuntimeError(f"{variant}: {done} of {jobs} jobs COMPLETED after the writes")
     cpu = None if cpu0 is None or cpu1 is None else round((cpu1 - cpu0) / jobs * 1e6, 1)

@@ -47,7 +47,7 @@ from sluice.store.patterns import (
     fingerprint,
     pattern_jobs_query,
 )
-from sluice.store.schema import FailurePatternRow, JobRow
+from sluice.store.schema import FailurePatternRow, JobRow, JobStateRow
 from tests.conftest import eventually, running
 from tests.service_harness import Running, running_service
 
@@ -353,8 +353,8 @@ async def test_dead_lettered_jobs_become_patterns_counted_once(
     async with api.svc.db.sessions() as session:
         times = (
             await session.execute(
-                select(func.min(JobRow.updated_at), func.max(JobRow.updated_at)).where(
-                    JobRow.id.in_([uuid.UUID(i) for i in acme_ids[:3]])
+                select(func.min(JobStateRow.updated_at), func.max(JobStateRow.updated_at)).where(
+                    JobStateRow.id.in_([uuid.UUID(i) for i in acme_ids[:3]])
                 )
             )
         ).one()
@@ -827,15 +827,18 @@ async def test_callers_cannot_make_analysis_jobs_nor_spend_the_analysis_budget(
 # ---- a pattern's jobs, by its index -------------------------------------------------------------------
 _FILL = """
 WITH j AS (
-    INSERT INTO jobs (id, tenant, queue, type, status, priority, max_attempts, payload, backoff,
-                      error, created_at, updated_at)
+    INSERT INTO jobs (id, tenant, queue, type, priority, max_attempts, payload, backoff, created_at)
     SELECT md5('job' || i)::uuid, 'acme', CASE WHEN i % 4 = 0 THEN 'other' ELSE 'jobs' END, 'sync',
-           'DEAD_LETTER', 0, 1, '{}', '[]', 'ValueError: x', now(), now() - i * interval '1 second'
+           0, 1, '{}', '[]', now() - i * interval '1 second'
     FROM generate_series(1, 20000) AS i
+    RETURNING id, tenant, queue, created_at
+), s AS (
+    INSERT INTO job_states (id, tenant, queue, created_at, status, error, updated_at)
+    SELECT id, tenant, queue, created_at, 'DEAD_LETTER', 'ValueError: x', created_at FROM j
     RETURNING id, tenant, queue, updated_at
 )
 INSERT INTO failure_pattern_jobs (job_id, tenant, queue, pattern, status, token, dead_at)
-SELECT id, tenant, queue, 'p' || (abs(hashtext(id::text)) % 3), 'DEAD_LETTER', 1, updated_at FROM j
+SELECT id, tenant, queue, 'p' || (abs(hashtext(id::text)) % 3), 'DEAD_LETTER', 1, updated_at FROM s
 """
 
 
@@ -849,7 +852,7 @@ async def test_a_patterns_jobs_page_reads_its_index_in_order(sluice_database_url
         await db.migrate()
         async with db.sessions() as session, session.begin():
             await session.execute(text(_FILL))
-            for table in ("jobs", "failure_pattern_jobs"):
+            for table in ("jobs", "job_states", "failure_pattern_jobs"):
                 await session.execute(text(f"ANALYZE {table}"))
 
         async def plan(after: tuple[datetime, uuid.UUID] | None) -> str:
@@ -914,8 +917,8 @@ async def _dead_row(api: Running, payload: dict[str, Any], error: str, updated_a
     )
     async with api.svc.db.sessions() as session, session.begin():
         await session.execute(
-            update(JobRow)
-            .where(JobRow.id == job.id)
+            update(JobStateRow)
+            .where(JobStateRow.id == job.id)
             .values(status="DEAD_LETTER", error=error, updated_at=updated_at)
         )
     return job.id

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import uuid
+from datetime import UTC, datetime
 from typing import Any
 
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from sqlalchemy import text
 
-from sluice.store.database import Database
+from sluice.store.database import Database, _alembic_config, head_revision
+from sluice.store.jobs import JobStore
 from sluice.store.schema import Base
 
 
@@ -27,5 +32,58 @@ async def test_the_migrations_build_what_the_models_describe(sluice_database_url
         async with db.engine.connect() as conn:
             differences = await conn.run_sync(diff)
         assert differences == []
+    finally:
+        await db.close()
+
+
+_STATE = ("status", "attempts", "result", "error", "engine_id", "ev_ms", "ev_seq")
+
+
+async def test_a_jobs_state_moves_to_a_row_of_its_own_and_back(sluice_database_url: str) -> None:
+    """0008 copies where each job stands into ``job_states`` (nothing is lost on upgrade), and
+    its downgrade copies it back."""
+    job_id = uuid.uuid4()
+    at = datetime(2026, 12, 3, 12, 0, tzinfo=UTC)
+    state = ("COMPLETED", 2, {"ok": True}, "boom", 7, 1733230000000, 4)
+    db = Database(sluice_database_url)
+    try:
+        await db.migrate("0007")
+        async with db.engine.begin() as conn:
+            await conn.execute(
+                text(
+                    "INSERT INTO jobs (id, tenant, queue, type, status, priority, attempts, max_attempts,"
+                    " payload, result, error, engine_id, ev_ms, ev_seq, backoff, created_at, updated_at,"
+                    " processed_at, completed_at) VALUES (:id, 'acme', 'q', 'generic', :status, 10,"
+                    " :attempts, 3, '{\"a\": 1}', CAST(:result AS jsonb), :error, :engine_id, :ev_ms,"
+                    " :ev_seq, '[]', :at, :at, :at, :at)"
+                ),
+                dict(zip(_STATE, state, strict=True)) | {"id": job_id, "at": at, "result": '{"ok": true}'},
+            )
+        assert await db.migrate() == head_revision()
+        job = await JobStore(db).get(job_id, tenant="acme")
+        assert job is not None
+        assert (job.status, job.attempts, job.result, job.error, job.engine_id) == state[:5]
+        assert (job.payload, job.created_at, job.updated_at, job.completed_at) == ({"a": 1}, at, at, at)
+
+        def downgrade(connection: Any) -> None:
+            cfg = _alembic_config()
+            cfg.attributes["connection"] = connection
+            command.downgrade(cfg, "0007")
+
+        async with db.engine.connect() as conn:
+            await conn.run_sync(downgrade)
+            await conn.commit()
+        async with db.engine.connect() as conn:
+            row = (
+                await conn.execute(
+                    text(
+                        "SELECT status, attempts, result, error, engine_id, ev_ms, ev_seq FROM jobs"
+                        " WHERE id = :id"
+                    ),
+                    {"id": job_id},
+                )
+            ).one()
+            assert tuple(row) == state
+            assert await conn.scalar(text("SELECT to_regclass('job_states')")) is None
     finally:
         await db.close()

@@ -772,13 +772,13 @@ async def drain_engine_alone(run: _Run) -> dict[str, Any]:
 
 
 #: Whether a queue still has a job the store holds unfinished: the reconciler's partial index
-#: (``ix_jobs_unfinished``), which holds only such jobs, so that the answer costs a few index
+#: (``ix_job_states_unfinished``), which holds only such jobs, so that the answer costs a few index
 #: entries, not a visit to each of the drain's rows.
 _ANY_UNFINISHED = text(
-    "SELECT EXISTS (SELECT 1 FROM jobs WHERE queue = :q"
+    "SELECT EXISTS (SELECT 1 FROM job_states WHERE queue = :q"
     " AND status IN ('QUEUED', 'PROCESSING', 'FAILED', 'PARKED'))"
 )
-_COMPLETED = text("SELECT count(*) FROM jobs WHERE tenant = :t AND status = 'COMPLETED'")
+_COMPLETED = text("SELECT count(*) FROM job_states WHERE tenant = :t AND status = 'COMPLETED'")
 
 
 async def _store_completed(run: _Run, tenant: str, queue_name: str) -> int:

@@ -91,15 +91,16 @@ class Database:
     def __repr__(self) -> str:
         return f"Database({redact_url(self.url)!r})"
 
-    async def migrate(self) -> str:
-        """Apply the migrations that are missing; returns the revision the database is at."""
+    async def migrate(self, target: str = "head") -> str:
+        """Apply the migrations that are missing (up to ``target``, a revision: the benchmarks
+        build earlier schemas to compare); returns the revision the database is at."""
 
         def upgrade(connection: Connection) -> None:
             # Alembic says what it runs at INFO; the service says it once, below, if anything ran.
             logging.getLogger("alembic").setLevel(logging.WARNING)
             cfg = _alembic_config()
             cfg.attributes["connection"] = connection
-            command.upgrade(cfg, "head")
+            command.upgrade(cfg, target)
 
         before = await self.revision()
         async with self.engine.connect() as conn:

@@ -18,12 +18,12 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from sqlalchemy import and_, func, or_, select, text, tuple_
+from sqlalchemy import Select, and_, func, or_, select, text, tuple_
 from sqlalchemy.dialects.postgresql import insert
 
 from sluice.errors import InvalidJobError
 from sluice.store.ids import new_job_id
-from sluice.store.schema import AttemptRow, JobRow
+from sluice.store.schema import AttemptRow, JobRow, JobStateRow
 
 if TYPE_CHECKING:
     from sluice.store.database import Database
@@ -140,20 +140,21 @@ class StoredJob:
     attempt_list: tuple[Attempt, ...] = field(default=())
 
     @classmethod
-    def of(cls, row: JobRow, attempts: tuple[Attempt, ...] = ()) -> StoredJob:
+    def of(cls, row: JobRow, state: JobStateRow, attempts: tuple[Attempt, ...] = ()) -> StoredJob:
+        """A job from its two rows: as submitted, and where it stands."""
         return cls(
             id=row.id,
             tenant=row.tenant,
             queue=row.queue,
-            engine_id=row.engine_id,
+            engine_id=state.engine_id,
             type=row.type,
-            status=row.status,
+            status=state.status,
             priority=row.priority,
-            attempts=row.attempts,
+            attempts=state.attempts,
             max_attempts=row.max_attempts,
             payload=_as_sent(row.payload),
-            result=_as_sent(row.result),
-            error=row.error,
+            result=_as_sent(state.result),
+            error=state.error,
             idempotency_key=row.idempotency_key,
             correlation_id=row.correlation_id,
             tokens=row.tokens,
@@ -162,9 +163,9 @@ class StoredJob:
             delay_ms=row.delay_ms,
             backoff=row.backoff,
             created_at=row.created_at,
-            updated_at=row.updated_at,
-            processed_at=row.processed_at,
-            completed_at=row.completed_at,
+            updated_at=state.updated_at,
+            processed_at=state.processed_at,
+            completed_at=state.completed_at,
             attempt_list=attempts,
         )
 
@@ -205,7 +206,7 @@ def _json(value: Any) -> Any:
 
 
 def _stored_from_record(r: Any) -> StoredJob:
-    """A job from an asyncpg record of ``SELECT * FROM jobs``."""
+    """A job from an asyncpg record of its row in ``jobs`` and its state's columns (``_BY_KEYS``)."""
     return StoredJob(
         id=r["id"],
         tenant=r["tenant"],
@@ -234,23 +235,30 @@ def _stored_from_record(r: Any) -> StoredJob:
 
 
 # One statement for a whole batch: the rows in their order (WITH ORDINALITY), so that of two with
-# one key the first is the one inserted.
+# one key the first is the one inserted; and the state of each job inserted, QUEUED.
 _INSERT_MANY = """
-INSERT INTO jobs (id, tenant, queue, type, status, priority, attempts, max_attempts, payload,
-                  idempotency_key, correlation_id, tokens, budget, delay_ms, backoff,
-                  created_at, updated_at)
-SELECT t.id, t.tenant, t.queue, t.type, 'QUEUED', t.priority, 0, t.max_attempts, t.payload::jsonb,
-       t.idem, t.cid, t.tokens, t.budget, t.delay_ms, t.backoff::jsonb, $14, $14
-FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::text[],
-            $8::text[], $9::text[], $10::bigint[], $11::text[], $12::bigint[], $13::text[])
-     WITH ORDINALITY AS t(id, tenant, queue, type, priority, max_attempts, payload, idem, cid,
-                          tokens, budget, delay_ms, backoff, n)
-ORDER BY t.n
-ON CONFLICT (tenant, idempotency_key) DO NOTHING
+WITH inserted AS (
+    INSERT INTO jobs (id, tenant, queue, type, priority, max_attempts, payload, idempotency_key,
+                      correlation_id, tokens, budget, delay_ms, backoff, created_at)
+    SELECT t.id, t.tenant, t.queue, t.type, t.priority, t.max_attempts, t.payload::jsonb,
+           t.idem, t.cid, t.tokens, t.budget, t.delay_ms, t.backoff::jsonb, $14
+    FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[], $6::int[], $7::text[],
+                $8::text[], $9::text[], $10::bigint[], $11::text[], $12::bigint[], $13::text[])
+         WITH ORDINALITY AS t(id, tenant, queue, type, priority, max_attempts, payload, idem, cid,
+                              tokens, budget, delay_ms, backoff, n)
+    ORDER BY t.n
+    ON CONFLICT (tenant, idempotency_key) DO NOTHING
+    RETURNING id, tenant, queue
+)
+INSERT INTO job_states (id, tenant, queue, created_at, status, updated_at)
+SELECT id, tenant, queue, $14, 'QUEUED', $14 FROM inserted
 RETURNING id
 """
 _BY_KEYS = """
-SELECT j.* FROM jobs j
+SELECT j.*, s.status, s.engine_id, s.attempts, s.result, s.error, s.updated_at, s.processed_at,
+       s.completed_at
+FROM jobs j
+JOIN job_states s ON s.id = j.id
 JOIN unnest($1::text[], $2::text[]) AS k(tenant, idem)
   ON j.tenant = k.tenant AND j.idempotency_key = k.idem
 """
@@ -292,9 +300,7 @@ class JobStore:
             "tenant": new.tenant,
             "queue": new.queue,
             "type": new.type,
-            "status": "QUEUED",
             "priority": new.priority,
-            "attempts": 0,
             "max_attempts": new.max_attempts,
             "payload": new.payload,
             "idempotency_key": new.idempotency_key,
@@ -304,7 +310,6 @@ class JobStore:
             "delay_ms": new.delay_ms,
             "backoff": new.backoff,
             "created_at": at,
-            "updated_at": at,
         }
         stmt = insert(JobRow).values(**values)
         if new.idempotency_key is not None:
@@ -312,14 +317,27 @@ class JobStore:
         async with self.db.sessions() as session, session.begin():
             row = (await session.execute(stmt.returning(JobRow))).scalar_one_or_none()
             if row is not None:
-                return StoredJob.of(row), True
-            first = await session.scalar(
-                select(JobRow).where(
-                    JobRow.tenant == new.tenant, JobRow.idempotency_key == new.idempotency_key
+                state = JobStateRow(
+                    id=row.id,
+                    tenant=row.tenant,
+                    queue=row.queue,
+                    created_at=at,
+                    status="QUEUED",
+                    attempts=0,
+                    updated_at=at,
                 )
-            )
+                session.add(state)
+                await session.flush()
+                return StoredJob.of(row, state), True
+            first = (
+                await session.execute(
+                    _joined().where(
+                        JobRow.tenant == new.tenant, JobRow.idempotency_key == new.idempotency_key
+                    )
+                )
+            ).one_or_none()
         assert first is not None, "the conflicting row was committed before ON CONFLICT answered"
-        return StoredJob.of(first), False
+        return StoredJob.of(*first), False
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[Any]:
@@ -401,8 +419,8 @@ class JobStore:
     ) -> StoredJob | None:
         """A job by id (None if absent, or another tenant's when ``tenant`` is given)."""
         async with self.db.sessions() as session:
-            row = await session.get(JobRow, job_id)
-            if row is None or (tenant is not None and row.tenant != tenant):
+            both = (await session.execute(_joined().where(JobRow.id == job_id))).one_or_none()
+            if both is None or (tenant is not None and both[0].tenant != tenant):
                 return None
             found: tuple[Attempt, ...] = ()
             if attempts:
@@ -413,7 +431,7 @@ class JobStore:
                     Attempt(a.token, a.attempt, a.worker, a.started_at, a.finished_at, a.outcome, a.error)
                     for a in rows
                 )
-            return StoredJob.of(row, found)
+            return StoredJob.of(both[0], both[1], found)
 
     async def list_jobs(
         self,
@@ -430,20 +448,27 @@ class JobStore:
             raise InvalidJobError(f"limit must be from 1 to {MAX_PAGE}, got {limit}")
         if any("\x00" in f for f in (status, type, queue) if f is not None):
             return Page([], None)  # no job has one (PostgreSQL cannot keep NUL, nor compare it)
-        query = select(JobRow).where(JobRow.tenant == tenant)
+        # By status, the state's index gives the order (its copies of the tenant and the time);
+        # otherwise the job's (all of a tenant's, or by type).
+        by_tenant, by_queue, by_created, by_id = (
+            (JobStateRow.tenant, JobStateRow.queue, JobStateRow.created_at, JobStateRow.id)
+            if status is not None
+            else (JobRow.tenant, JobRow.queue, JobRow.created_at, JobRow.id)
+        )
+        query = _joined().where(by_tenant == tenant)
         if status is not None:
-            query = query.where(JobRow.status == status)
+            query = query.where(JobStateRow.status == status)
         if type is not None:
             query = query.where(JobRow.type == type)
         if queue is not None:
-            query = query.where(JobRow.queue == queue)
+            query = query.where(by_queue == queue)
         if cursor is not None:
             at, last = _decode_cursor(cursor)
-            query = query.where(tuple_(JobRow.created_at, JobRow.id) < tuple_(at, last))
-        query = query.order_by(JobRow.created_at.desc(), JobRow.id.desc()).limit(limit + 1)
+            query = query.where(tuple_(by_created, by_id) < tuple_(at, last))
+        query = query.order_by(by_created.desc(), by_id.desc()).limit(limit + 1)
         async with self.db.sessions() as session:
-            rows = list(await session.scalars(query))
-        jobs = [StoredJob.of(r) for r in rows[:limit]]
+            rows = list(await session.execute(query))
+        jobs = [StoredJob.of(r[0], r[1]) for r in rows[:limit]]
         return Page(jobs, _encode_cursor(jobs[-1]) if len(rows) > limit else None)
 
     async def latency_percentiles(
@@ -454,7 +479,7 @@ class JobStore:
         query = text(
             """
             WITH recent AS (
-                SELECT created_at, processed_at, completed_at FROM jobs
+                SELECT created_at, processed_at, completed_at FROM job_states
                 WHERE tenant = :tenant AND status = 'COMPLETED' AND processed_at IS NOT NULL
                 ORDER BY created_at DESC LIMIT :last
             )
@@ -483,9 +508,9 @@ class JobStore:
 
     async def counts(self, tenant: str | None = None) -> dict[str, int]:
         """Jobs per status (of one tenant, or of all)."""
-        query = select(JobRow.status, func.count()).group_by(JobRow.status)
+        query = select(JobStateRow.status, func.count()).group_by(JobStateRow.status)
         if tenant is not None:
-            query = query.where(JobRow.tenant == tenant)
+            query = query.where(JobStateRow.tenant == tenant)
         async with self.db.sessions() as session:
             rows = (await session.execute(query)).all()
         return {status: int(n) for status, n in rows}
@@ -503,20 +528,25 @@ class JobStore:
         (the reconciler's page; ``after`` continues it). ``unseen_only``: only those no event
         has named yet (no engine id). Their ids only: the reconciler reads a whole job (its
         payload decoded) only when it must enqueue it again."""
-        query = select(JobRow.id, JobRow.engine_id, JobRow.updated_at).where(
-            JobRow.queue == queue,
-            JobRow.status.in_(("QUEUED", "PROCESSING", "FAILED", "PARKED")),
-            JobRow.updated_at < older_than,
+        query = select(JobStateRow.id, JobStateRow.engine_id, JobStateRow.updated_at).where(
+            JobStateRow.queue == queue,
+            JobStateRow.status.in_(("QUEUED", "PROCESSING", "FAILED", "PARKED")),
+            JobStateRow.updated_at < older_than,
         )
         if unseen_only:
-            query = query.where(JobRow.engine_id.is_(None))
+            query = query.where(JobStateRow.engine_id.is_(None))
         if after is not None:
             query = query.where(
                 or_(
-                    JobRow.updated_at > after[0],
-                    and_(JobRow.updated_at == after[0], JobRow.id > after[1]),
+                    JobStateRow.updated_at > after[0],
+                    and_(JobStateRow.updated_at == after[0], JobStateRow.id > after[1]),
                 )
             )
-        query = query.order_by(JobRow.updated_at, JobRow.id).limit(limit)
+        query = query.order_by(JobStateRow.updated_at, JobStateRow.id).limit(limit)
         async with self.db.sessions() as session:
             return [JobRef(r.id, r.engine_id, r.updated_at) for r in await session.execute(query)]
+
+
+def _joined() -> Select[JobRow, JobStateRow]:
+    """A job's two rows: as submitted, and where it stands."""
+    return select(JobRow, JobStateRow).join(JobStateRow, JobStateRow.id == JobRow.id)

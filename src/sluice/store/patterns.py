@@ -14,7 +14,7 @@ analysis is useful without any LLM; the optional LLM explanation
 :class:`PatternCollector` counts them: a periodic, bounded pass like the
 reconciler's, in the process whose sink leads. It pages through the jobs
 that ended badly by ``(updated_at, id)`` (the partial index
-``ix_jobs_failed``), 500 a page, one transaction per page, and only through
+``ix_job_states_failed``), 500 a page, one transaction per page, and only through
 jobs updated more than ``settle`` seconds ago, so that a sink batch that
 committed late (its ``updated_at`` is taken before it connects, so it may
 commit seconds after that time) is not passed by. A batch that commits later
@@ -66,7 +66,7 @@ from sqlalchemy import Select, select, text, tuple_, update
 
 from sluice.errors import InvalidJobError
 from sluice.store.jobs import StoredJob
-from sluice.store.schema import FailurePatternJobRow, FailurePatternRow, JobRow
+from sluice.store.schema import FailurePatternJobRow, FailurePatternRow, JobRow, JobStateRow
 
 if TYPE_CHECKING:
     from sluice.store.database import Database
@@ -514,7 +514,7 @@ def _no_nul(*values: str | None) -> bool:
 
 def pattern_jobs_query(
     tenant: str, queue: str, pattern_id: str, *, limit: int, after: tuple[datetime, uuid.UUID] | None = None
-) -> Select[JobRow, datetime]:
+) -> Select[JobRow, JobStateRow, datetime]:
     """A page of a pattern's jobs, latest death first, after ``after`` (a ``(dead_at,
     job_id)``). Every column of the pattern's key is a condition, so that
     ``ix_failure_pattern_jobs_pattern`` (tenant, queue, pattern, dead_at DESC, job_id DESC)
@@ -522,7 +522,8 @@ def pattern_jobs_query(
     tenant's memberships per page, however many there are."""
     m = FailurePatternJobRow
     query = (
-        select(JobRow, m.dead_at)
+        select(JobRow, JobStateRow, m.dead_at)
+        .join(JobStateRow, JobStateRow.id == JobRow.id)
         .join(m, m.job_id == JobRow.id)
         .where(m.tenant == tenant, m.queue == queue, m.pattern == pattern_id)
     )
@@ -600,7 +601,7 @@ class PatternStore:
         )
         async with self.db.sessions() as session:
             rows = (await session.execute(query)).all()
-        found = [(StoredJob.of(row), at) for row, at in rows[:limit]]
+        found = [(StoredJob.of(row, state), at) for row, state, at in rows[:limit]]
         more = len(rows) > limit and found
         return PatternJobsPage(found, _encode_cursor(found[-1][1], found[-1][0].id) if more else None)
 
@@ -644,13 +645,13 @@ class PatternStore:
 # any other end of the job is a failure (its error's first line, or its status).
 _SETTLE = """
 WITH finished AS (
-    SELECT p.tenant, p.queue, p.id, j.id AS job, j.updated_at,
-           (j.status = 'COMPLETED' AND j.type = :type AND jsonb_typeof(j.result) = 'object'
-            AND jsonb_typeof(j.result -> 'root_cause') = 'string') AS ok,
-           j.result, left(split_part(COALESCE(NULLIF(j.error, ''), j.status), E'\\n', 1), 500) AS why
-    FROM failure_patterns p JOIN jobs j ON j.id = p.analysis_job
+    SELECT p.tenant, p.queue, p.id, j.id AS job, s.updated_at,
+           (s.status = 'COMPLETED' AND j.type = :type AND jsonb_typeof(s.result) = 'object'
+            AND jsonb_typeof(s.result -> 'root_cause') = 'string') AS ok,
+           s.result, left(split_part(COALESCE(NULLIF(s.error, ''), s.status), E'\\n', 1), 500) AS why
+    FROM failure_patterns p JOIN job_states s ON s.id = p.analysis_job JOIN jobs j ON j.id = s.id
     WHERE {where}
-      AND j.status IN ('COMPLETED', 'DEAD_LETTER', 'REJECTED', 'EXHAUSTED', 'CANCELLED')
+      AND s.status IN ('COMPLETED', 'DEAD_LETTER', 'REJECTED', 'EXHAUSTED', 'CANCELLED')
     LIMIT :limit
 )
 UPDATE failure_patterns AS p SET
@@ -684,27 +685,27 @@ class CollectPass:
 
 
 _PAGE = """
-SELECT j.id, j.tenant, j.queue, j.type, j.status, j.error, j.updated_at,
-       COALESCE((SELECT max(a.token) FROM job_attempts a WHERE a.job_id = j.id), 0) AS token
-FROM jobs j
-WHERE j.status IN ('DEAD_LETTER', 'REJECTED', 'EXHAUSTED')
-  AND (j.updated_at, j.id) > ($1, $2) AND j.updated_at < $3
-ORDER BY j.updated_at, j.id
+SELECT s.id, j.tenant, j.queue, j.type, s.status, s.error, s.updated_at,
+       COALESCE((SELECT max(a.token) FROM job_attempts a WHERE a.job_id = s.id), 0) AS token
+FROM job_states s JOIN jobs j ON j.id = s.id
+WHERE s.status IN ('DEAD_LETTER', 'REJECTED', 'EXHAUSTED')
+  AND (s.updated_at, s.id) > ($1, $2) AND s.updated_at < $3
+ORDER BY s.updated_at, s.id
 LIMIT $4
 """
 # Behind the cursor: the jobs that ended badly in the overlap window and are not counted at their
 # lease yet (a membership at that token or higher is a death counted). Counted rows are read by
 # the index and left out, so a window of thousands of deaths costs a scan and returns the few.
 _LOOK_BACK = """
-SELECT j.id, j.tenant, j.queue, j.type, j.status, j.error, j.updated_at, t.token
-FROM jobs j
+SELECT s.id, j.tenant, j.queue, j.type, s.status, s.error, s.updated_at, t.token
+FROM job_states s JOIN jobs j ON j.id = s.id
 CROSS JOIN LATERAL (
-    SELECT COALESCE(max(a.token), 0) AS token FROM job_attempts a WHERE a.job_id = j.id
+    SELECT COALESCE(max(a.token), 0) AS token FROM job_attempts a WHERE a.job_id = s.id
 ) t
-WHERE j.status IN ('DEAD_LETTER', 'REJECTED', 'EXHAUSTED')
-  AND (j.updated_at, j.id) > ($1, $2) AND (j.updated_at, j.id) <= ($3, $4)
-  AND NOT EXISTS (SELECT 1 FROM failure_pattern_jobs m WHERE m.job_id = j.id AND m.token >= t.token)
-ORDER BY j.updated_at, j.id
+WHERE s.status IN ('DEAD_LETTER', 'REJECTED', 'EXHAUSTED')
+  AND (s.updated_at, s.id) > ($1, $2) AND (s.updated_at, s.id) <= ($3, $4)
+  AND NOT EXISTS (SELECT 1 FROM failure_pattern_jobs m WHERE m.job_id = s.id AND m.token >= t.token)
+ORDER BY s.updated_at, s.id
 LIMIT $5
 """
 # Written first: only the rows it writes are counted, so a job read twice (passes, restarts,

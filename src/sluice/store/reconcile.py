@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import update
 
 from sluice.errors import BudgetNotFound, InvalidJobError
-from sluice.store.schema import JobRow
+from sluice.store.schema import JobStateRow
 from sluice.store.sink import engine_key, sink_horizon
 
 if TYPE_CHECKING:
@@ -286,7 +286,7 @@ class Reconciler:
         if record.error is not None:
             values["error"] = record.error
         async with self.store.db.sessions() as session, session.begin():
-            await session.execute(update(JobRow).where(JobRow.id == job.id).values(**values))
+            await session.execute(update(JobStateRow).where(JobStateRow.id == job.id).values(**values))
         return True
 
     async def _reject(self, job: JobRef, error: str) -> None:
@@ -298,20 +298,19 @@ class Reconciler:
         )
         async with self.store.db.sessions() as session, session.begin():
             await session.execute(
-                update(JobRow)
-                .where(JobRow.id == job.id)
+                update(JobStateRow)
+                .where(JobStateRow.id == job.id)
                 .values(status="REJECTED", error=error, updated_at=datetime.now(UTC))
             )
 
     async def _mark_enqueued(self, job: JobRef, engine_id: int) -> None:
         async with self.store.db.sessions() as session, session.begin():
             # Unless the sink moved the row meanwhile (it then holds a newer engine id).
-            unchanged = (
-                JobRow.engine_id.is_(None) if job.engine_id is None else JobRow.engine_id == job.engine_id
-            )
+            engine_id_now = JobStateRow.engine_id
+            unchanged = engine_id_now.is_(None) if job.engine_id is None else engine_id_now == job.engine_id
             await session.execute(
-                update(JobRow)
-                .where(JobRow.id == job.id, unchanged)
+                update(JobStateRow)
+                .where(JobStateRow.id == job.id, unchanged)
                 .values(engine_id=engine_id, status="QUEUED", updated_at=datetime.now(UTC))
             )
 
@@ -322,7 +321,7 @@ def _text(value: bytes | None) -> str | None:
 
 # By primary key; a row some event named meanwhile keeps the id the event gave it.
 _MARK_SEEN = """
-UPDATE jobs AS j SET engine_id = d.engine_id
+UPDATE job_states AS j SET engine_id = d.engine_id
 FROM unnest($1::uuid[], $2::bigint[]) AS d(id, engine_id)
 WHERE j.id = d.id AND j.engine_id IS NULL
 """

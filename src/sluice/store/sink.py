@@ -501,7 +501,7 @@ class TransitionSink:
             async with raw.transaction():
                 # Each row by its primary key, and by nothing else (a job id names one job in
                 # one queue). Left to itself, PostgreSQL joins a batch's thousands of ids by
-                # hashing the whole jobs table (a sequential scan per batch: 124 ms of a
+                # hashing the whole table (a sequential scan per batch: 124 ms of a
                 # 2,500-job batch at 100,000 rows, 15 ms by the index), a cost that grows with
                 # the table; and a condition on the queue, whose rows its statistics had not
                 # seen yet, once made it read every row of the queue per id instead.
@@ -613,7 +613,7 @@ def _fold(p: _Patch, ev: tuple[int, int], name: str, fields: dict[bytes, bytes])
 
 # Only a newer event moves a job: (ev_ms, ev_seq) is the last applied stream id.
 _UPDATE = """
-UPDATE jobs AS j SET
+UPDATE job_states AS j SET
     engine_id = d.engine_id,
     status = COALESCE(d.status, j.status),
     attempts = CASE WHEN d.reset THEN 0 ELSE COALESCE(d.attempts, j.attempts) END,
