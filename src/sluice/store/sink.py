@@ -623,9 +623,9 @@ def _attempts(patches: list[_Patch]) -> tuple[list[_Start], list[_End]]:
         # row twice (two engine copies of one stored job would each bring their token 1).
         begun: dict[int, _Start] = {}
         for token, attempt, worker, at in p.starts:
-            if (job, token) not in seen:
+            if token in begun or (job, token) not in seen:  # (the last start of a token wins)
                 begun[token] = [job, token, attempt, worker, at, None, None, None]
-        seen.update((job, token) for token in begun)
+                seen.add((job, token))
         for ended, outcome, error, at in p.ends:
             start = begun.get(ended) if ended is not None else None
             if start is not None and start[5] is None:
