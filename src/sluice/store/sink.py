@@ -6,7 +6,7 @@ every job, atomically with the step. The sink reads it through a consumer
 group (``sluice-store``): an entry is acknowledged only after the batch it
 was in is committed to PostgreSQL, so a sink that crashes leaves its entries
 pending, and the next one (or another API process, after ``CLAIM_IDLE_MS``)
-applies them again. Applying is idempotent: a job row remembers the stream
+applies them again. Applying is idempotent: a job's state row remembers the stream
 id of the last event applied to it and takes only newer ones, and attempts
 are keyed by their lease token.
 
