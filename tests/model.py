@@ -240,6 +240,11 @@ class AddSpec:
     on_exhausted: str = "reject"
     correlation_id: str | None = None
     trace_context: str | None = None
+    job_id: str | None = None
+
+
+#: What a job cancelled ahead of its add holds (cancel.lua): no payload's, no backoff's fields.
+TOMBSTONE = AddSpec("", "null", 0, 0, 1, "", 0, 0, None)
 
 
 @dataclass
@@ -315,6 +320,8 @@ class ModelJob:
             h["cid"] = s.correlation_id
         if s.trace_context is not None:
             h["trace"] = s.trace_context
+        if s is TOMBSTONE:
+            del h["payload"], h["score"], h["backoff"]
         optional = {
             "due": self.due,
             "idem": self.idem_key,
@@ -647,8 +654,11 @@ class Model:
             if spec.idem is not None and spec.idem in self.idem:
                 out.append((self.idem[spec.idem], False))
                 continue
+            if spec.job_id is not None and spec.job_id in self.jobs:
+                out.append((spec.job_id, False))
+                continue
             self.seq += 1
-            job_id = str(self.seq)
+            job_id = spec.job_id or str(self.seq)
             state = DELAYED if spec.delay_ms > 0 else WAITING
             idem_key = None if spec.idem is None else self.idem_prefix + spec.idem
             job = ModelJob(job_id, self.seq, spec, now, idem_key, state)
@@ -1081,8 +1091,14 @@ class Model:
         return back, dead
 
     # ---- producer-side changes ---------------------------------------------------------
-    def cancel(self, now: int, job_id: str) -> tuple[int, str]:
+    def cancel(self, now: int, job_id: str, ahead: bool = False) -> tuple[int, str]:
         job = self.jobs.get(job_id)
+        if job is None and ahead:
+            job = self.jobs[job_id] = ModelJob(job_id, 0, TOMBSTONE, now, None, CANCELLED)
+            self._end(job, CANCELLED, now)
+            self.stats["cancelled"] += 1
+            self._emit("cancelled", job_id)
+            return 1, ""
         if job is None:
             return -1, ""
         state = job.state

@@ -98,6 +98,8 @@ T0 = 1_700_000_000_000
 #: Small, so both forms of the 'completed' event (with and without the result) happen.
 EV_RESULT_MAX = 8
 IDEM_KEYS = ("k1", "k2", "k3")
+#: Ids callers give (the service gives its store's UUIDs): a few, so that adds meet them again.
+CALLER_IDS = ("u-1", "u-2", "0192f0c4-6a1e-7b3c-8d9e-aabbccddeeff")
 WORKERS = ("w1", "w2")
 #: Outcome values: results are JSON, as the runner sends them (a record holding a result that is
 #: not JSON does not parse), of 1, EV_RESULT_MAX, EV_RESULT_MAX + 1 and more bytes; errors are any text;
@@ -164,6 +166,7 @@ def model_spec(spec: JobSpec) -> AddSpec:
         on_exhausted=spec.on_exhausted,
         correlation_id=spec.correlation_id,
         trace_context=spec.trace_context,
+        job_id=spec.job_id,
     )
 
 
@@ -201,6 +204,7 @@ def _specs(draw: st.DrawFn) -> JobSpec:
         trace_context=draw(
             st.sampled_from([None, None, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"])
         ),
+        job_id=draw(st.sampled_from([None, None, None, *CALLER_IDS])),
     )
 
 
@@ -469,7 +473,7 @@ class QueueMachine(RuleBasedStateMachine):
 
     def ids_in(self, state: str) -> list[str]:
         if state == PARKED:
-            return sorted((i for i, j in self.model.jobs.items() if j.state == PARKED), key=int)
+            return sorted(i for i, j in self.model.jobs.items() if j.state == PARKED)
         return self.model.ids(state)
 
     def job_id(self, data: st.DataObject) -> str:
@@ -477,7 +481,9 @@ class QueueMachine(RuleBasedStateMachine):
         any id: one that exists (maybe finished), existed (purged) or never did."""
         states = sorted({j.state for j in self.model.jobs.values()} & {*LIVE_SETS, PARKED})
         if not states or data.draw(st.sampled_from([False, False, False, True]), label="any id?"):
-            return str(data.draw(st.integers(1, self.model.seq + 1), label="id"))
+            return data.draw(
+                st.sampled_from(CALLER_IDS) | st.integers(1, self.model.seq + 1).map(str), label="id"
+            )
         state = data.draw(st.sampled_from(states), label="state")
         return data.draw(st.sampled_from(self.ids_in(state)), label="id")
 
@@ -659,11 +665,12 @@ class QueueMachine(RuleBasedStateMachine):
             event("reap: a reservation kept as unknown")
 
     @precondition(has_jobs)
-    @rule(data=st.data(), api=st.booleans())
-    def cancel(self, data: st.DataObject, api: bool) -> None:
+    @rule(data=st.data(), api=st.booleans(), ahead=st.sampled_from([False, False, True]))
+    def cancel(self, data: st.DataObject, api: bool, ahead: bool) -> None:
         job_id = self.job_id(data)
+        ahead = ahead and not job_id.isdigit()  # (the engine's numbers are never cancelled ahead)
         now = self.clock.now
-        code, state = self.model.cancel(now, job_id)
+        code, state = self.model.cancel(now, job_id, ahead)
         event(f"cancel: {state or 'missing'} -> {code}")
         if not api:  # the script itself: its code and the state it found
             k, q = self.queue.keys, self.queue
@@ -679,7 +686,7 @@ class QueueMachine(RuleBasedStateMachine):
                         k.retention,
                         k.finished_prefix,
                     ],
-                    args=[now, job_id, q.events_maxlen],
+                    args=[now, job_id, q.events_maxlen, "1" if ahead else ""],
                 )
             )
             assert [reply[0], _s(reply[1])] == [code, state]
@@ -687,7 +694,7 @@ class QueueMachine(RuleBasedStateMachine):
             with pytest.raises(JobNotFound):
                 self.run(self.queue.cancel(job_id))
         else:
-            assert self.run(self.queue.cancel(job_id)) is (code > 0)
+            assert self.run(self.queue.cancel(job_id, ahead=ahead)) is (code > 0)
 
     @precondition(has_dead)
     @rule(data=st.data(), everything=st.booleans())

@@ -239,10 +239,63 @@ async def test_corrupt_record_is_reported(queue: Queue, redis: Redis) -> None:
 
 
 async def test_bad_job_ids_are_refused(queue: Queue) -> None:
-    for bad in ("", "abc", "0", "1 OR 1", "../x"):
+    for bad in ("", "0", "007", "1 OR 1", "../x", "-x", "a" * 129, "é"):
         with pytest.raises(InvalidJobError, match="not a job id"):
             await queue.get_job(bad)
     assert await queue.get_job("999") is None
+    assert await queue.get_job("abc") is None
+
+
+async def test_a_callers_id_is_the_jobs_id_and_adding_it_again_returns_the_job(queue: Queue) -> None:
+    # Given jobs added under ids of their callers', between jobs added without one
+    first = await queue.add("a", {"n": 1})
+    given = await queue.add("a", {"n": 2}, job_id="0192f0c4-6a1e-7b3c-8d9e-aabbccddeeff", priority=0)
+    again = await queue.add("a", {"n": 3}, job_id="0192f0c4-6a1e-7b3c-8d9e-aabbccddeeff")
+    bulk = await queue.add_bulk(
+        [JobSpec("a", {"n": 4}, job_id="order:7"), JobSpec("a", {"n": 5}, job_id="order:7")]
+    )
+    last = await queue.add("a", {"n": 6})
+    # Then the ids are theirs; an id added twice is one job, created once, as first added
+    assert given.id == again.id == "0192f0c4-6a1e-7b3c-8d9e-aabbccddeeff"
+    assert (given.created, again.created) == (True, False)
+    assert [(j.id, j.created) for j in bulk] == [("order:7", True), ("order:7", False)]
+    assert (await again.info()).payload == {"n": 2}
+    assert ((await queue.get_job("order:7")) or pytest.fail("no job")).payload == {"n": 4}
+    # and the engine's own ids, and the FIFO order, go on as before (every add takes a number)
+    assert first.id.isdigit() and last.id.isdigit() and int(last.id) > int(first.id)
+    assert (await queue.counts())["added"] == 4
+    waiting: list[bytes] = await queue.redis.zrange(queue.keys.waiting, 0, -1)  # type: ignore[assignment]
+    assert [j.decode() for j in waiting] == [
+        first.id,
+        given.id,
+        "order:7",
+        last.id,
+    ]
+
+
+@pytest.mark.parametrize("bad", ["", "42", "a b", "../x", "-x", "a" * 129, 7])
+def test_a_callers_id_that_is_not_usable_is_refused_saying_why(bad: Any) -> None:
+    with pytest.raises(InvalidJobError, match="not all digits"):
+        JobSpec("a", job_id=bad)
+
+
+async def test_a_job_cancelled_ahead_of_its_add_is_never_added(queue: Queue) -> None:
+    # Given an id no job has yet, cancelled ahead (a caller's add may still be on its way)
+    assert await queue.cancel("req-1", ahead=True)
+    record = await queue.get_job("req-1")
+    assert record is not None and record.state is JobState.CANCELLED
+    # When the add arrives, it adds nothing: the job stays cancelled and nothing waits
+    job = await queue.add("a", {}, job_id="req-1")
+    assert (job.id, job.created) == ("req-1", False)
+    assert (await queue.counts())["waiting"] == 0
+    # and without ahead, an id that names no job is not found; the engine's numbers are never
+    # cancelled ahead
+    from sluice import JobNotFound
+
+    with pytest.raises(JobNotFound):
+        await queue.cancel("req-2")
+    with pytest.raises(InvalidJobError):
+        await queue.cancel("12", ahead=True)
 
 
 def test_small_encoded_payloads_hold_their_own_size_only() -> None:

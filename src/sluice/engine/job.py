@@ -13,6 +13,7 @@ import orjson
 
 from sluice.engine.backoff import DEFAULT_BACKOFF, Backoff
 from sluice.engine.codec import JSONValue, decode
+from sluice.engine.keys import check_caller_id
 from sluice.errors import CorruptJobError, InvalidJobError
 from sluice.settings import DEFAULT_MAX_STALLS
 
@@ -118,6 +119,10 @@ class JobSpec:
     passes its ``X-Request-ID``), given to every attempt as
     ``JobContext.correlation_id`` and put on the worker's log lines about it,
     so that one id follows the work from the HTTP request to the handler.
+    ``job_id``: the job's id, given by the caller (the service gives its store's id), so that
+    one id names the job everywhere; None: the queue's next sequence number. Adding a job
+    whose id the queue still holds returns that job, ``created=False``, as an idempotency
+    key would (for as long as the record is kept: see retention).
     ``trace_context``: the W3C ``traceparent`` of the span that added the job
     (``sluice.tracing`` sets it when tracing is on), carried through Redis to
     every attempt as ``JobContext.trace_context``; one that is malformed or
@@ -138,6 +143,7 @@ class JobSpec:
     on_exhausted: str = "reject"
     correlation_id: str | None = None
     trace_context: str | None = None
+    job_id: str | None = None
 
     def __post_init__(self) -> None:
         given: object = self.name
@@ -186,6 +192,8 @@ class JobSpec:
             )
         if self.trace_context is not None:
             object.__setattr__(self, "trace_context", valid_trace_context(self.trace_context))
+        if self.job_id is not None:
+            check_caller_id(self.job_id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from sluice.errors import ConfigurationError, InvalidJobError
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
-_JOB_ID = re.compile(r"^[1-9][0-9]{0,18}$")
+#: The ids the engine makes: the queue's sequence number, for a job added without one.
+_SEQ_ID = re.compile(r"^[1-9][0-9]{0,18}$")
+#: An id a caller gives (a store's UUID, a request's id): not all digits, so that it never
+#: names a job the sequence made (BullMQ refuses integer custom ids for the same reason).
+_CALLER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+MAX_JOB_ID_LENGTH = 128
 
 
 def check_name(what: str, value: str) -> str:
@@ -27,12 +32,30 @@ def check_name(what: str, value: str) -> str:
 
 
 def is_job_id(value: object) -> bool:
-    return isinstance(value, str) and bool(_JOB_ID.match(value))
+    """A job id: one the engine made (a decimal number) or one a caller gave."""
+    return isinstance(value, str) and bool(
+        _SEQ_ID.match(value) or (_CALLER_ID.match(value) and not value.isdigit())
+    )
+
+
+def check_caller_id(value: object) -> str:
+    """An id a caller gives a new job: 1-128 characters from A-Z a-z 0-9 _ . : -, starting with a
+    letter or digit, and not all digits (those are the ids the engine makes)."""
+    if not isinstance(value, str) or not _CALLER_ID.match(value) or value.isdigit():
+        raise InvalidJobError(
+            f"job id {value!r} is not usable: use 1-{MAX_JOB_ID_LENGTH} characters from "
+            "A-Z a-z 0-9 _ . : - (starting with a letter or digit), not all digits: decimal ids "
+            "are the ones the engine makes for jobs added without an id"
+        )
+    return value
 
 
 def check_job_id(value: object) -> str:
-    if not isinstance(value, str) or not _JOB_ID.match(value):
-        raise InvalidJobError(f"{value!r} is not a job id (ids are decimal numbers, e.g. '42')")
+    if not isinstance(value, str) or not is_job_id(value):
+        raise InvalidJobError(
+            f"{value!r} is not a job id (the engine's are decimal numbers, e.g. '42'; a caller's "
+            "are 1-128 characters from A-Z a-z 0-9 _ . : -)"
+        )
     return value
 
 

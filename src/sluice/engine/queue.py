@@ -25,7 +25,7 @@ from sluice.engine.events import Event, ResultWaiter, follow
 from sluice.engine.eviction import warn_if_evicting
 from sluice.engine.flow import FlowControl
 from sluice.engine.job import JobRecord, JobSpec, JobState
-from sluice.engine.keys import QueueKeys, check_job_id
+from sluice.engine.keys import QueueKeys, check_caller_id, check_job_id
 from sluice.engine.protocol import WorkerProtocol
 from sluice.engine.retention import QueueRetention, refuse_keep_finished
 from sluice.engine.scripts import Scripts
@@ -190,11 +190,13 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
         budget: str | None = None,
         on_exhausted: str = "reject",
         correlation_id: str | None = None,
+        job_id: str | None = None,
     ) -> Job:
         """Add one job; see :class:`JobSpec` for what each option means.
 
         With ``idempotency_key``, a second add with the same key (within the
-        queue's ``idempotency_ttl``) returns the first job, ``created=False``.
+        queue's ``idempotency_ttl``) returns the first job, ``created=False``;
+        with ``job_id``, so does a second add of an id the queue still holds.
         """
         spec = JobSpec(
             name,
@@ -210,6 +212,7 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
             budget,
             on_exhausted,
             correlation_id,
+            job_id=job_id,
         )
         return (await self._add_many([spec]))[0]
 
@@ -307,6 +310,7 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
             args.extend(enc)
             args.append(index)
             args.append(spec.trace_context or "")
+            args.append(spec.job_id or "")
         reply = await self.scripts.add(keys=keys, args=args)
         if reply and reply[0] == -1:
             raise _no_budget(reply[1].decode())
@@ -427,10 +431,17 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
 
     # ---- changing jobs -------------------------------------------------------------
     @writes
-    async def cancel(self, job_id: str) -> bool:
+    async def cancel(self, job_id: str, *, ahead: bool = False) -> bool:
         """Cancel a job: at once if waiting, delayed or parked; a running job's worker is
-        asked to stop it (at its next lease renewal). False if already finished."""
+        asked to stop it (at its next lease renewal). False if already finished.
+
+        ``ahead``: a caller's id that names no job yet is cancelled before it is added (its
+        add then adds nothing), for a caller whose add may still be on its way; without it,
+        an id that names no job raises :class:`~sluice.errors.JobNotFound`.
+        """
         self._check_id(job_id)
+        if ahead:
+            check_caller_id(job_id)
         k = self.keys
         code, _state = await self.scripts.cancel(
             keys=[
@@ -443,7 +454,7 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
                 k.retention,
                 k.finished_prefix,
             ],
-            args=[script_now(None), job_id, self.events_maxlen],
+            args=[script_now(None), job_id, self.events_maxlen, "1" if ahead else ""],
         )
         if code == -1:
             raise JobNotFound(job_id)

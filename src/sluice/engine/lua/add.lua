@@ -5,22 +5,26 @@
 -- KEYS[8 + k]   the k-th idempotency key named by the jobs below
 -- ARGV[1] now (ms, '' = Redis's clock: see includes/clock.lua)  ARGV[2] events stream max length  ARGV[3] idempotency TTL (ms)
 -- ARGV[4] number of jobs n
--- ARGV[5 + 14 * (i - 1) ...] per job: name, payload (JSON), priority, delay (ms),
+-- ARGV[5 + 15 * (i - 1) ...] per job: name, payload (JSON), priority, delay (ms),
 --   max_attempts, backoff (JSON), timeout (ms, 0 = worker default), max_stalls,
 --   token estimate, budget name ('' = none), on_exhausted ('reject' | 'wait'),
 --   correlation id ('' = none), idempotency key index k (0 = none),
---   trace context ('' = none: a W3C traceparent, checked by the caller, stored as is)
+--   trace context ('' = none: a W3C traceparent, checked by the caller, stored as is),
+--   the caller's job id ('' = none: the queue's sequence number is the id; checked by
+--   the caller never to be all digits, so it names no job the sequence made)
 --
 -- A job added under an idempotency key says so in its 'added' event ('idem', the key), so
 -- that a reader of the stream can tell which job it is without reading the job.
 --
 -- Returns {id_1, created_1, id_2, created_2, ...}: created is 1 for a new job
--- and 0 when an idempotency key already named a job (its id is returned);
+-- and 0 when an idempotency key already named a job (its id is returned) or the
+-- caller's id names a job the queue still holds;
 -- or {-1, budget} when a job names a budget that does not exist: then
 -- nothing at all is written. (A budget name is checked by the caller, so the
 -- key it makes stays in this queue's slot.)
--- Ids are the queue's sequence numbers; the waiting score is
--- priority * 2^32 + (sequence mod 2^32): lower priority first, FIFO within one.
+-- Every job takes the queue's next sequence number, for its waiting score:
+-- priority * 2^32 + (sequence mod 2^32), lower priority first, FIFO within one; and
+-- the number is its id when the caller gave none.
 
 -- @include clock
 -- @include emit
@@ -31,7 +35,7 @@ local idem_ttl = tonumber(ARGV[3])
 local n = tonumber(ARGV[4])
 local checked = {}
 for i = 1, n do
-  local budget = ARGV[5 + 14 * (i - 1) + 9]
+  local budget = ARGV[5 + 15 * (i - 1) + 9]
   if budget ~= '' and not checked[budget] then
     if redis.call('EXISTS', KEYS[8] .. budget) == 0 then return {-1, budget} end
     checked[budget] = true
@@ -41,16 +45,19 @@ end
 local out = {}
 local added = 0
 for i = 1, n do
-  local a = 5 + 14 * (i - 1)
+  local a = 5 + 15 * (i - 1)
   local idem_k = tonumber(ARGV[a + 12])
+  local given = ARGV[a + 14]
   local existing = false
   if idem_k > 0 then existing = redis.call('GET', KEYS[8 + idem_k]) end
+  if not existing and given ~= '' and redis.call('EXISTS', KEYS[7] .. given) == 1 then existing = given end
   if existing then
     out[#out + 1] = existing
     out[#out + 1] = 0
   else
     local seq = redis.call('INCR', KEYS[1])
-    local id = tostring(seq)
+    local id = given
+    if id == '' then id = tostring(seq) end
     local score = string.format('%.0f', tonumber(ARGV[a + 2]) * 4294967296 + (seq % 4294967296))
     local delay = tonumber(ARGV[a + 3])
     local state = 'waiting'
