@@ -57,7 +57,7 @@ async def test_enqueue_show_info(redis_url: str, prefix: str) -> None:
     assert "job 1 added to queue cli" in out.stdout
     assert "could not be checked" in out.stderr  # no worker has served the queue yet
     out = await invoke("enqueue", "summarize", '{"text": "again"}', "--idempotency-key", "k1", *where)
-    assert "job 1 already existed (same idempotency key)" in out.stdout
+    assert "job 1 already existed (same id or idempotency key)" in out.stdout
     shown = (await invoke("show", "1", *where)).stdout
     assert '{"text":"hi"}' in shown and "waiting, for" in shown and "idempotency key  k1" in shown
     assert "created " in shown and " UTC" in shown and "_ms" not in shown

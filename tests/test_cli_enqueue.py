@@ -58,6 +58,25 @@ async def test_every_option_reaches_the_job(redis: Redis, redis_url: str, prefix
     assert "'later' is not one of" in bad.output or "reject" in bad.output
     bad = await invoke("enqueue", "x", "--timeout", "0", *where, code=2)
     assert "the timeout must be more than 0 seconds" in bad.output
+
+
+async def test_a_job_takes_the_id_it_is_given_once(
+    redis: Redis, redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    q = Queue("ids", redis=redis, prefix=prefix)
+    where = ["-q", "ids", "--prefix", prefix, "--redis", redis_url]
+    out = await invoke("enqueue", "summarize", '{"text": "hi"}', "--id", "order-7", *where)
+    assert "job order-7 added to queue ids" in out.stdout
+    out = await invoke("enqueue", "summarize", '{"text": "again"}', "--id", "order-7", *where)
+    assert "job order-7 already existed (same id or idempotency key)" in out.stdout
+    record = await q.get_job("order-7")
+    assert record is not None and record.payload == {"text": "hi"}
+    lines = tmp_path / "jobs.jsonl"
+    lines.write_text('{"name": "summarize", "job_id": "order-8"}\n{"name": "summarize", "job_id": "9"}\n')
+    bad = await invoke("enqueue", "--file", str(lines), *where, code=1)
+    assert "line 2" in bad.output and "not all digits" in bad.output and "nothing was added" in bad.output
+    bad = await invoke("enqueue", "summarize", "--id", "42", *where, code=1)
+    assert "not all digits" in bad.output
     bad = await invoke("enqueue", "x", "--budget", "no spaces", *where, code=2)
     assert "budget name 'no spaces' is not usable" in bad.output
 

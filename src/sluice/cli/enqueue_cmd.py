@@ -95,6 +95,15 @@ def enqueue(
     idempotency_key: Annotated[
         str | None, typer.Option(help="Adding a job with the same key again returns the first one.")
     ] = None,
+    job_id: Annotated[
+        str | None,
+        typer.Option(
+            "--id",
+            help="The job's id (not all digits); adding it again returns the first job. "
+            "Default: the queue's next number.",
+            show_default=False,
+        ),
+    ] = None,
     wait: Annotated[
         float | None,
         typer.Option(
@@ -121,16 +130,16 @@ def enqueue(
         "on_exhausted": on_exhausted.value,
     }
     if file is not None:
-        if name is not None or payload is not None or idempotency_key is not None or wait is not None:
+        if any(v is not None for v in (name, payload, idempotency_key, job_id, wait)):
             raise typer.BadParameter(
-                "with --file, give no NAME, PAYLOAD, --idempotency-key or --wait: each line is a job",
+                "with --file, give no NAME, PAYLOAD, --idempotency-key, --id or --wait: each line is a job",
                 param_hint="--file",
             )
         source = "stdin" if file.name == "<stdin>" else file.name
         jobs = read_jobs(file, source, options)
     else:
         source = "the command line"
-        jobs = [Line(0, _one(name, payload, idempotency_key, options))]
+        jobs = [Line(0, _one(name, payload, idempotency_key, options | {"job_id": job_id}))]
     tracing.configure(Settings.from_env())
     added, result = with_queue(target, lambda q: _add(q, target, jobs, source, any_name, wait, as_json))
     if as_json:
@@ -222,11 +231,11 @@ def _say_added(added: list[Job], target: Target, waiting: bool = False) -> None:
     new = sum(job.created for job in added)
     if len(added) == 1:
         job = added[0]
-        state = "added to" if job.created else "already existed (same idempotency key) in"
+        state = "added to" if job.created else "already existed (same id or idempotency key) in"
         text = f"job {job.id} {state} {target.describe()}" + ("; waiting for its result" if waiting else "")
     else:
         existing = (
-            f"; {len(added) - new:,} already existed (same idempotency key)" if new < len(added) else ""
+            f"; {len(added) - new:,} already existed (same id or idempotency key)" if new < len(added) else ""
         )
         text = f"added {new:,} job(s) to {target.describe()}{existing}"
     # With --wait the result is the output, on stdout alone; the note goes to stderr.

@@ -7,7 +7,7 @@ One JSON object per line, blank lines skipped::
 Every line is checked before anything is added, so a mistake on line 9,000
 adds nothing rather than half a file; the error names the file, the line and
 the field. Fields a line leaves out take the command's options (``--budget``,
-``--tokens``...), except the idempotency key, which belongs to one job.
+``--tokens``...), except the idempotency key and the id, which belong to one job.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ FIELDS = (
     "budget",
     "on_exhausted",
     "idempotency_key",
+    "job_id",
     "delay",
     "max_attempts",
     "timeout",
