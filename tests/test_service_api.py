@@ -69,7 +69,7 @@ async def test_nest_create_answers_the_record_with_the_designs_defaults(api: Run
     got = await api.client.get(f"/jobs/{body['id']}")
     assert got.status_code == 200 and got.json()["id"] == body["id"]
     # the engine has it, under the priority the design gave it
-    record = await api.svc.queue.get_job("1")
+    record = await api.svc.queue.get_job(body["id"])
     assert record is not None and (record.name, record.priority, record.max_attempts) == ("generic", 10, 10)
 
 
@@ -199,7 +199,7 @@ async def test_the_sink_applies_a_batch_again_without_change(api: Running) -> No
     reply = await api.svc.queue.protocol.step(want=1, lease_ms=10_000, worker_id="w")
     token = reply.jobs[1]
     await api.svc.queue.protocol.step(
-        want=0, lease_ms=10_000, worker_id="w", outcomes=[("1", token, b"c", b'"done"', 0, -1)]
+        want=0, lease_ms=10_000, worker_id="w", outcomes=[(job["id"], token, b"c", b'"done"', 0, -1)]
     )
     entries: Any = await api.svc.queue.redis.xrange(api.svc.queue.keys.events, "-", "+")
     await api.sink._apply(entries)
@@ -215,24 +215,21 @@ async def _hget_calls(api: Running) -> int:
     return int(stats.get("cmdstat_hget", {}).get("calls", 0))
 
 
-async def test_the_sink_learns_a_jobs_store_id_from_its_added_event_without_a_lookup(api: Running) -> None:
-    # Given jobs submitted through the API (each enqueued under its store id's key) and one
-    # added to the engine directly, without a key
+async def test_the_engine_knows_a_job_by_its_store_id_and_the_sink_reads_no_record(api: Running) -> None:
+    # Given jobs submitted through the API and one added to the engine directly, without an id
     ids = [(await api.client.post("/v1/jobs", json={"type": "generic"})).json()["id"] for _ in range(3)]
-    await api.svc.queue.add("generic", {})
+    other = await api.svc.queue.add("generic", {})
     entries: Any = await api.svc.queue.redis.xrange(api.svc.queue.keys.events, "-", "+")
     added = [fields for _, fields in entries if fields[b"ev"] == b"added"]
-    # Then the keyed jobs' events name their keys, and only theirs
-    assert [f.get(b"idem", b"").decode().rpartition("job:")[2] for f in added] == [*ids, ""]
-    # When the sink reads them, it knows the keyed jobs' store ids without reading the jobs
+    # Then the engine's events name the API's jobs by their store ids, and the other by its number
+    assert [f[b"id"].decode() for f in added] == [*ids, other.id]
+    assert other.id.isdigit()
+    for job_id in ids:
+        record = await api.svc.queue.get_job(job_id)
+        assert record is not None and record.idempotency_key == f"job:{job_id}"
+    # When the jobs move, the API's reach the store with no read of their records; the other
+    # is looked up once (it may be an earlier version's job, numbered) and skipped
     before = await _hget_calls(api)
-    await api.drain_events()
-    assert await _hget_calls(api) == before
-    engine_ids = [int(f[b"id"]) for f in added]
-    assert [api.sink._ids.get(e) for e in engine_ids[:3]] == [uuid.UUID(i).int for i in ids]
-    assert engine_ids[3] not in api.sink._ids
-    # And when the jobs move, the keyed ones reach the store with no lookup; the other is looked
-    # up once (it may be an older version's event) and skipped
     reply = await api.svc.queue.protocol.step(want=4, lease_ms=10_000, worker_id="w")
     assert len(reply.jobs) == 4 * 15  # four jobs leased, 15 fields each
     await api.drain_events()
@@ -329,12 +326,14 @@ async def test_a_job_stored_but_never_enqueued_is_enqueued_by_the_reconciler(api
     # When the reconciler passes (after its grace)
     later = stored.created_at + (await _grace(api))
     done = await api.reconciler.reconcile(now=later)
-    # Then the engine has it, once, under the job's key; a second pass changes nothing
+    # Then the engine has it, once, under the job's id; a second pass changes nothing
     assert (done.enqueued, (await api.svc.queue.counts())["waiting"]) == (1, 1)
     assert (await api.reconciler.reconcile(now=later)).enqueued == 0
     await api.drain_events()
     row = await api.svc.store.get(stored.id)
-    assert row is not None and row.engine_id == 1 and row.status == "QUEUED"
+    assert row is not None and row.status == "QUEUED"
+    record = await api.svc.queue.get_job(str(stored.id))
+    assert record is not None and record.state.value == "waiting"
 
 
 @pytest.mark.parametrize(
@@ -387,38 +386,30 @@ async def test_jobs_redis_forgot_are_enqueued_again(api: Running, prefix: str, r
             await _until_status(api, job_id, "COMPLETED", "/v1/jobs/")
 
 
-async def test_a_job_waiting_past_the_grace_is_found_by_its_key_once_and_never_enqueued_again(
+async def test_a_job_waiting_past_the_grace_is_found_by_its_id_and_never_enqueued_again(
     api: Running, prefix: str, redis_url: str
 ) -> None:
     # Given jobs accepted and waiting (no worker; one delayed by a week): the sink skips
-    # 'added', so no row has an engine id yet
+    # 'added', so no event has been applied to their rows yet
     bodies: list[dict[str, Any]] = [{"type": "generic", "payload": {"i": i}} for i in range(2)]
     bodies.append({"type": "generic", "payload": {}, "delay": 7 * 86_400_000})
     answers = [await api.client.post("/jobs", json=body) for body in bodies]
     ids = [uuid.UUID(a.json()["id"]) for a in answers]
     await api.drain_events()
     rows = [await api.svc.store.get(i) for i in ids]
-    assert [(r.engine_id, r.status) for r in rows if r is not None] == [(None, "QUEUED")] * 3
+    assert [r.status for r in rows if r is not None] == ["QUEUED"] * 3
     # When the reconciler passes after the grace
     later = max(r.updated_at for r in rows if r is not None) + (await _grace(api))
     first = await api.reconciler.reconcile(now=later)
-    # Then it found them in the engine by their keys (nothing enqueued twice) and wrote
-    # nothing: a job that runs soon learns its engine id from the sink
+    # Then it found them in the engine by their ids: nothing enqueued twice
     assert first.enqueued == 0
     assert first.looked >= 3
-    assert [r.engine_id for r in [await api.svc.store.get(i) for i in ids] if r is not None] == [None] * 3
-    # and a pass after the jobs waited half their keys' life writes each row's engine id, once
-    later += timedelta(seconds=api.reconciler.mark_after)
-    assert api.reconciler.mark_after == api.svc.queue.idempotency_ttl_ms / 2000
-    assert (await api.reconciler.reconcile(now=later)).enqueued == 0
-    engine_ids = [r.engine_id for r in [await api.svc.store.get(i) for i in ids] if r is not None]
-    assert sorted(engine_ids) == [1, 2, 3]  # type: ignore[type-var]
-    # and when the keys have expired (the queue's idempotency TTL, shorter than the delay),
-    # later passes, even full ones, find the jobs by their ids: still nothing enqueued again
+    # and when their idempotency keys have expired (the queue's TTL, shorter than the delay),
+    # later passes, even full ones, still find the jobs by their ids: nothing enqueued again
+    later += timedelta(seconds=api.svc.queue.idempotency_ttl_ms / 1000)
     idem_keys = [api.svc.queue.keys.idem(f"job:{i}") for i in ids]
     assert await api.svc.queue.redis.delete(*idem_keys) == 3
-    assert (await api.reconciler.reconcile(now=later, full=True)).enqueued == 0
-    assert (await api.svc.queue.counts())["added"] == 3
+    assert (await api.reconciler.reconcile(now=later)).enqueued == 0
     # a waiting job is cancelled by its id as well
     cancel = await api.client.post(f"/v1/jobs/{ids[2]}/cancel")
     assert cancel.status_code == 200, cancel.text
@@ -538,7 +529,7 @@ async def test_a_job_whose_events_were_lost_is_finished_from_the_engine_once_the
     await api.sink.ensure_group()
     reply = await api.svc.queue.protocol.step(want=1, lease_ms=10_000, worker_id="w")
     await api.svc.queue.protocol.step(
-        want=0, lease_ms=10_000, worker_id="w", outcomes=[("1", reply.jobs[1], b"c", b'"done"', 0, -1)]
+        want=0, lease_ms=10_000, worker_id="w", outcomes=[(job["id"], reply.jobs[1], b"c", b'"done"', 0, -1)]
     )
     row = await api.svc.store.get(uuid.UUID(job["id"]))
     assert row is not None
@@ -564,3 +555,60 @@ async def test_a_waiting_job_is_cancelled_through_the_api(api: Running) -> None:
     await api.drain_events()
     assert (await api.client.get(f"/v1/jobs/{job['id']}")).json()["status"] == "CANCELLED"
     assert (await api.client.post(f"/v1/jobs/{job['id']}/cancel")).status_code == 409
+
+
+# ---- one job id ------------------------------------------------------------------------------------------
+async def test_a_job_cancelled_before_its_add_reaches_the_engine_is_never_added(api: Running) -> None:
+    # Given a job the store holds but the engine does not yet (its batch on its way to Redis)
+    from sluice.service.routes_v1 import new_job
+    from sluice.service.schemas import JobIn
+    from sluice.service.submit import enqueue
+
+    stored, _ = await api.svc.store.create(
+        new_job(JobIn.model_validate({"type": "generic"}), "default", "jobs", None)
+    )
+    # When it is cancelled (no 409 "being enqueued": the cancel goes ahead of the add)
+    answer = await api.client.post(f"/v1/jobs/{stored.id}/cancel")
+    assert answer.status_code == 200, answer.text
+    # Then the add that follows adds nothing, the store says CANCELLED, and nothing runs
+    assert await enqueue(api.svc.queue, stored) == str(stored.id)
+    counts = await api.svc.queue.counts()
+    assert (counts["added"], counts["waiting"]) == (0, 0)
+    await _until_status(api, str(stored.id), "CANCELLED", "/v1/jobs/")
+    # and the reconciler, passing after its grace, does not enqueue it either
+    assert (await api.reconciler.reconcile(now=stored.created_at + (await _grace(api)))).enqueued == 0
+
+
+async def test_a_job_an_earlier_version_enqueued_under_a_number_is_still_reconciled_cancelled_and_applied(
+    api: Running,
+) -> None:
+    # Given a job an earlier version stored and enqueued: a numbered engine id under the key
+    # job:<uuid>, and the number kept by migration 0009 in job_legacy_ids
+    from sqlalchemy import text
+
+    from sluice.service.routes_v1 import new_job
+    from sluice.service.schemas import JobIn
+    from sluice.service.submit import spec_of
+    from sluice.store.sink import engine_key
+
+    stored, _ = await api.svc.store.create(
+        new_job(JobIn.model_validate({"type": "generic"}), "default", "jobs", None)
+    )
+    (old,) = await api.svc.queue.add_bulk([spec_of(stored, engine_key(stored.id))])
+    assert old.id.isdigit()
+    async with api.svc.store.db.engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO job_legacy_ids (job_id, engine_id) VALUES (:j, :e)"),
+            {"j": stored.id, "e": int(old.id)},
+        )
+    # When the reconciler passes, even a full pass, after its keys expired
+    await api.svc.queue.redis.delete(api.svc.queue.keys.idem(engine_key(stored.id)))
+    done = await api.reconciler.reconcile(now=stored.created_at + (await _grace(api)), full=True)
+    # Then it finds the job by its number: nothing enqueued again
+    assert done.enqueued == 0
+    assert (await api.svc.queue.counts())["added"] == 1
+    # and a cancel reaches it, and the sink carries the cancel to the row
+    assert (await api.client.post(f"/v1/jobs/{stored.id}/cancel")).status_code == 200
+    record = await api.svc.queue.get_job(old.id)
+    assert record is not None and record.state.value == "cancelled"
+    await _until_status(api, str(stored.id), "CANCELLED", "/v1/jobs/")

@@ -29,7 +29,7 @@ async def test_enqueue_answers_in_the_designs_shape_and_codes(api: Running) -> N
     body = resp.json()
     assert set(body) == {"taskId", "queueLength", "requestId"}
     assert uuid.UUID(body["taskId"]) and body["queueLength"] == 1 and body["requestId"] == "r-1"
-    record = await api.svc.queue.get_job("1")
+    record = await api.svc.queue.get_job(body["taskId"])
     assert record is not None and record.max_attempts == 4  # maxRetries 3 by default: 4 attempts
     assert (record.backoff.delay, record.backoff.max_delay, record.backoff.jitter) == (2.0, 60.0, 0.1)
     for bad, field in (

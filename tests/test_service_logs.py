@@ -72,14 +72,14 @@ async def test_the_request_id_reaches_every_worker_line_about_its_job(
                 out, _ = await worker.communicate()
         await api.drain_events()
         email_job = await api.svc.store.get(sent.json()["id"])
-        assert email_job is not None and email_job.engine_id is not None
+        assert email_job is not None
 
     lines = _json_lines(out.decode())
     assert lines, out.decode()
     emailed = [ln for ln in lines if ln.get("correlation_id") == "req-email-1"]
     # the handler's own line, written with plain logging, carries the job it ran in
     sent_line = next(ln for ln in emailed if ln.get("to") == "ada@example.com")
-    assert sent_line["job_id"] == str(email_job.engine_id)
+    assert sent_line["job_id"] == str(email_job.id)
     assert sent_line["job_name"] == "email" and sent_line["attempt"] == 1
     assert sent_line["logger"] == "sluice.jobs" and sent_line["level"] == "info"
     # the worker's lines about the failing job (a retry, then the dead letter) carry its id too

@@ -59,10 +59,10 @@ async def test_a_jobs_state_moves_to_a_row_of_its_own_and_back(sluice_database_u
                 ),
                 dict(zip(_STATE, state, strict=True)) | {"id": job_id, "at": at, "result": '{"ok": true}'},
             )
-        assert await db.migrate() == head_revision()
+        assert await db.migrate("0008") == "0008"
         job = await JobStore(db).get(job_id, tenant="acme")
         assert job is not None
-        assert (job.status, job.attempts, job.result, job.error, job.engine_id) == state[:5]
+        assert (job.status, job.attempts, job.result, job.error) == state[:4]
         assert (job.payload, job.created_at, job.updated_at, job.completed_at) == ({"a": 1}, at, at, at)
 
         def downgrade(connection: Any) -> None:
@@ -85,5 +85,49 @@ async def test_a_jobs_state_moves_to_a_row_of_its_own_and_back(sluice_database_u
             ).one()
             assert tuple(row) == state
             assert await conn.scalar(text("SELECT to_regclass('job_states')")) is None
+    finally:
+        await db.close()
+
+
+async def test_an_unfinished_jobs_engine_id_is_kept_when_the_column_goes(sluice_database_url: str) -> None:
+    """0009 drops ``job_states.engine_id``, keeping the ids of unfinished jobs (the engine may
+    still hold them under those numbers) in ``job_legacy_ids``; its downgrade puts them back."""
+    waiting, finished = uuid.uuid4(), uuid.uuid4()
+    at = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
+    db = Database(sluice_database_url)
+    try:
+        await db.migrate("0008")
+        async with db.engine.begin() as conn:
+            for job_id, status, engine_id in ((waiting, "QUEUED", 41), (finished, "COMPLETED", 42)):
+                await conn.execute(
+                    text(
+                        "INSERT INTO jobs (id, tenant, queue, type, priority, max_attempts, payload,"
+                        " backoff, created_at) VALUES (:id, 'acme', 'q', 'generic', 10, 3, '{}', '[]', :at)"
+                    ),
+                    {"id": job_id, "at": at},
+                )
+                await conn.execute(
+                    text(
+                        "INSERT INTO job_states (id, tenant, queue, created_at, status, engine_id,"
+                        " updated_at) VALUES (:id, 'acme', 'q', :at, :status, :engine_id, :at)"
+                    ),
+                    {"id": job_id, "at": at, "status": status, "engine_id": engine_id},
+                )
+        assert await db.migrate() == head_revision()
+        store = JobStore(db)
+        assert await store.legacy_engine_ids([waiting, finished]) == {waiting: "41"}
+        assert (await store.engine_id(waiting), await store.engine_id(finished)) == ("41", str(finished))
+
+        def downgrade(connection: Any) -> None:
+            cfg = _alembic_config()
+            cfg.attributes["connection"] = connection
+            command.downgrade(cfg, "0008")
+
+        async with db.engine.connect() as conn:
+            await conn.run_sync(downgrade)
+            await conn.commit()
+        async with db.engine.connect() as conn:
+            rows = await conn.execute(text("SELECT id, engine_id FROM job_states ORDER BY engine_id"))
+            assert {r.id: r.engine_id for r in rows} == {waiting: 41, finished: None}
     finally:
         await db.close()

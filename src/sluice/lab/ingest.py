@@ -67,6 +67,7 @@ from sluice.lab.stats import percentile, rate, summarize_ms
 from sluice.service.submit import NEST_BACKOFF
 from sluice.settings import ENV_DATABASE_URL
 from sluice.store.database import Database, redact_url
+from sluice.store.ids import new_job_id
 from sluice.store.keys import KeyStore
 from sluice.store.sink import caught_up, engine_key
 from sluice.testing.embedded import free_port
@@ -752,6 +753,7 @@ async def drain_engine_alone(run: _Run) -> dict[str, Any]:
     queue = Queue(queue_name, redis=run.redis)
     try:
         run.progress(f"drain, engine alone: adding {n:,} jobs")
+        ids = (new_job_id() for _ in range(n))
         specs = (
             JobSpec(
                 "generic",
@@ -759,9 +761,10 @@ async def drain_engine_alone(run: _Run) -> dict[str, Any]:
                 priority=10,
                 max_attempts=10,
                 backoff=NEST_BACKOFF,
-                idempotency_key=engine_key(uuid.uuid4()),
+                idempotency_key=engine_key(job_id),
+                job_id=str(job_id),
             )
-            for i in range(n)
+            for i, job_id in enumerate(ids)
         )
         await queue.add_bulk(specs)
         run.progress(f"drain, engine alone: {run.spec.drain_workers} workers")

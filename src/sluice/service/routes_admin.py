@@ -24,7 +24,6 @@ from sluice.service.errors import ApiError, responses
 from sluice.service.routes_v1 import job_out
 from sluice.service.schemas import BUDGET_NAME, BudgetName, Float, Int, JobsOut, _Strict, json_number
 from sluice.store.jobs import MAX_PAGE, StoredJob
-from sluice.store.sink import engine_key
 
 router = APIRouter(prefix="/v1", tags=["operations"], responses=responses(401, 403, 413, 429, 503))
 
@@ -112,18 +111,10 @@ async def _dead_engine_ids(svc: Any, tenant: str, ids: list[str] | None) -> list
             if job.status != "DEAD_LETTER":
                 raise ApiError(409, f"job {raw} is {job.status}; only dead-lettered jobs can be", field="ids")
             jobs.append(job)
-    found = await svc.queue.get_jobs([str(j.engine_id) for j in jobs if j.engine_id is not None])
-    records = {r.id: r for r in found if r is not None}
-    out = []
-    for job in jobs:
-        record = records.get(str(job.engine_id))
-        if (
-            record is not None
-            and record.idempotency_key == engine_key(job.id)
-            and record.state.value == "dead"
-        ):
-            out.append(record.id)
-    return out
+    legacy = await svc.store.legacy_engine_ids([j.id for j in jobs])
+    engine_ids = [legacy.get(j.id, str(j.id)) for j in jobs]
+    found = await svc.queue.get_jobs(engine_ids)
+    return [r.id for r in found if r is not None and r.state.value == "dead"]
 
 
 @router.post("/dead-letters/redrive", responses=responses(404, 409, 422))

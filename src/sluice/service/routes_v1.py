@@ -13,7 +13,6 @@ from sluice.service.errors import ENGINE_ERRORS, ApiError, engine_error, respons
 from sluice.service.schemas import AttemptOut, JobIn, JobOut, JobsIn, JobsOut
 from sluice.service.submit import backoff_json
 from sluice.store.jobs import FINAL, STATUSES, NewJob, StoredJob
-from sluice.store.sink import engine_id_of, engine_key
 
 router = APIRouter(prefix="/v1", tags=["jobs"], responses=responses(401, 404, 413, 422, 429, 503))
 
@@ -159,9 +158,8 @@ async def cancel_job(job_id: str, svc: ServicesDep, who: CallerDep) -> JobOut:
         raise ApiError(404, f"no job {job_id!r}")
     if job.status in FINAL:
         raise ApiError(409, f"job {job_id} is {job.status}; only an unfinished job can be cancelled")
-    engine_id = job.engine_id or await engine_id_of(svc.queue, job.id)
-    record = await svc.queue.get_job(str(engine_id)) if engine_id is not None else None
-    if record is None or record.idempotency_key != engine_key(job.id):
-        raise ApiError(409, f"job {job_id} is being enqueued; try again in a moment")
-    await svc.queue.cancel(record.id)
+    engine_id = await svc.store.engine_id(job.id)
+    # Ahead: a job stored but not enqueued yet (its batch is on its way to Redis, or Redis lost
+    # it) is cancelled before its add, which then adds nothing.
+    await svc.queue.cancel(engine_id, ahead=engine_id == str(job.id))
     return job_out(job)

@@ -2,9 +2,10 @@
 
 The order is the guarantee. The engine checks the job first (a job it would
 refuse is never stored); the store's row is written next, so the job exists
-once the API answers 201; the engine gets it last, under the idempotency key
-``job:<uuid>``, so enqueueing it again (the reconciler, after a crash between
-the two writes or after Redis lost its data) never makes two.
+once the API answers 201; the engine gets it last, under the row's id and the
+idempotency key ``job:<uuid>``, so enqueueing it again (the reconciler, after
+a crash between the two writes or after Redis lost its data) never makes two:
+the id while the engine keeps the job's record, the key for its TTL after.
 
 Some jobs are the service's own: the LLM failure analyses
 (``llm/analysis.py``) run as ``failure-analysis`` jobs under the analysis
@@ -46,8 +47,10 @@ log = logging.getLogger("sluice.service")
 NEST_BACKOFF = Backoff("exponential", 2.0, 86_400.0, 0.0)
 
 
-def spec_of(job: StoredJob | NewJob, idempotency_key: str | None = None) -> JobSpec:
-    """The engine's job for a stored one (its checks run here)."""
+def spec_of(
+    job: StoredJob | NewJob, idempotency_key: str | None = None, job_id: uuid.UUID | None = None
+) -> JobSpec:
+    """The engine's job for a stored one (its checks run here), under the store's id."""
     kind, delay, max_delay, jitter = job.backoff
     return JobSpec(
         job.type,
@@ -60,6 +63,7 @@ def spec_of(job: StoredJob | NewJob, idempotency_key: str | None = None) -> JobS
         budget=job.budget,
         correlation_id=job.correlation_id,
         idempotency_key=idempotency_key,
+        job_id=None if job_id is None else str(job_id),
     )
 
 
@@ -92,13 +96,13 @@ def backoff_json(backoff: Backoff) -> list[Any]:
 
 
 def engine_spec(job: StoredJob) -> JobSpec:
-    """The engine's job for a stored one, under its engine idempotency key."""
-    return spec_of(job, engine_key(job.id))
+    """The engine's job for a stored one, under its id and engine idempotency key."""
+    return spec_of(job, engine_key(job.id), job.id)
 
 
 async def enqueue(queue: Queue, job: StoredJob) -> str:
-    """Hand a stored job to the engine; returns the engine's id (the same one if it was
-    enqueued before)."""
+    """Hand a stored job to the engine; returns the id the engine holds it by (the job's own,
+    or an earlier version's number for it, found by its idempotency key)."""
     (added,) = await queue.add_bulk([engine_spec(job)])
     return added.id
 
@@ -202,7 +206,7 @@ class Intake:
                 f"this job reserves {new.tokens:,} tokens (its prompt and max_tokens), more than the "
                 f"provider's {self.token_rate_limit:,} tokens per minute: it could never run; send less"
             )
-        spec = await self.check(new, engine_key(job_id))
+        spec = await self.check(new, engine_key(job_id), job_id)
         # The job's span is opened here, in the request's context: the batch is written by
         # another task, which carries the context of whichever request started it.
         traced = tracing.enqueue_scope(self.queue.name, spec, tenant=new.tenant, job_uuid=str(job_id))
@@ -222,9 +226,11 @@ class Intake:
         tracehooks.close_enqueue(traced, None, None)
         return result
 
-    async def check(self, new: NewJob, idempotency_key: str | None = None) -> JobSpec:
+    async def check(
+        self, new: NewJob, idempotency_key: str | None = None, job_id: uuid.UUID | None = None
+    ) -> JobSpec:
         """What the engine would refuse, refused before anything is stored; the engine's job."""
-        spec = spec_of(new, idempotency_key)
+        spec = spec_of(new, idempotency_key, job_id)
         encode_limited(new.payload, self.queue.max_payload_bytes)
         if new.budget is not None:
             ledger = self.ledger

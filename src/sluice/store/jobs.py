@@ -18,12 +18,12 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from sqlalchemy import Select, and_, func, or_, select, text, tuple_
+from sqlalchemy import Select, and_, delete, func, or_, select, text, tuple_
 from sqlalchemy.dialects.postgresql import insert
 
 from sluice.errors import InvalidJobError
 from sluice.store.ids import new_job_id
-from sluice.store.schema import AttemptRow, JobRow, JobStateRow
+from sluice.store.schema import AttemptRow, JobRow, JobStateRow, LegacyIdRow
 
 if TYPE_CHECKING:
     from sluice.store.database import Database
@@ -103,10 +103,9 @@ WRITE_TIMEOUT = 30.0
 
 @dataclass(frozen=True, slots=True)
 class JobRef:
-    """A job's id, engine id and last update: what the reconciler pages through."""
+    """A job's id and last update: what the reconciler pages through."""
 
     id: uuid.UUID
-    engine_id: int | None
     updated_at: datetime
 
 
@@ -117,7 +116,6 @@ class StoredJob:
     id: uuid.UUID
     tenant: str
     queue: str
-    engine_id: int | None
     type: str
     status: str
     priority: int
@@ -146,7 +144,6 @@ class StoredJob:
             id=row.id,
             tenant=row.tenant,
             queue=row.queue,
-            engine_id=state.engine_id,
             type=row.type,
             status=state.status,
             priority=row.priority,
@@ -176,7 +173,6 @@ def _new_stored(job_id: uuid.UUID, n: NewJob, at: datetime) -> StoredJob:
         id=job_id,
         tenant=n.tenant,
         queue=n.queue,
-        engine_id=None,
         type=n.type,
         status="QUEUED",
         priority=n.priority,
@@ -211,7 +207,6 @@ def _stored_from_record(r: Any) -> StoredJob:
         id=r["id"],
         tenant=r["tenant"],
         queue=r["queue"],
-        engine_id=r["engine_id"],
         type=r["type"],
         status=r["status"],
         priority=r["priority"],
@@ -255,7 +250,7 @@ SELECT id, tenant, queue, $14, 'QUEUED', $14 FROM inserted
 RETURNING id
 """
 _BY_KEYS = """
-SELECT j.*, s.status, s.engine_id, s.attempts, s.result, s.error, s.updated_at, s.processed_at,
+SELECT j.*, s.status, s.attempts, s.result, s.error, s.updated_at, s.processed_at,
        s.completed_at
 FROM jobs j
 JOIN job_states s ON s.id = j.id
@@ -290,6 +285,8 @@ class JobStore:
 
     def __init__(self, db: Database) -> None:
         self.db = db
+        #: whether job_legacy_ids was found empty (it never fills again)
+        self._legacy_empty = False
 
     async def create(self, new: NewJob, *, now: datetime | None = None) -> tuple[StoredJob, bool]:
         """Store a new job as QUEUED; returns it and True, or, if its idempotency key was used
@@ -526,15 +523,15 @@ class JobStore:
     ) -> list[JobRef]:
         """Jobs the store thinks are not finished, not updated since ``older_than``, oldest first
         (the reconciler's page; ``after`` continues it). ``unseen_only``: only those no event
-        has named yet (no engine id). Their ids only: the reconciler reads a whole job (its
+        has named yet. Their ids only: the reconciler reads a whole job (its
         payload decoded) only when it must enqueue it again."""
-        query = select(JobStateRow.id, JobStateRow.engine_id, JobStateRow.updated_at).where(
+        query = select(JobStateRow.id, JobStateRow.updated_at).where(
             JobStateRow.queue == queue,
             JobStateRow.status.in_(("QUEUED", "PROCESSING", "FAILED", "PARKED")),
             JobStateRow.updated_at < older_than,
         )
         if unseen_only:
-            query = query.where(JobStateRow.engine_id.is_(None))
+            query = query.where(JobStateRow.ev_ms == 0)
         if after is not None:
             query = query.where(
                 or_(
@@ -544,7 +541,33 @@ class JobStore:
             )
         query = query.order_by(JobStateRow.updated_at, JobStateRow.id).limit(limit)
         async with self.db.sessions() as session:
-            return [JobRef(r.id, r.engine_id, r.updated_at) for r in await session.execute(query)]
+            return [JobRef(r.id, r.updated_at) for r in await session.execute(query)]
+
+    async def legacy_engine_ids(self, job_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, str]:
+        """The engine ids of those jobs that an earlier version enqueued under a number of its
+        own (migration 0009 kept them); every other job's engine id is its id. Free once the
+        table is empty: nothing adds to it, so that is remembered."""
+        if self._legacy_empty or not job_ids:
+            return {}
+        async with self.db.sessions() as session:
+            rows = await session.execute(
+                select(LegacyIdRow.job_id, LegacyIdRow.engine_id).where(LegacyIdRow.job_id.in_(job_ids))
+            )
+            found = {r.job_id: str(r.engine_id) for r in rows}
+            if not found:
+                self._legacy_empty = not await session.scalar(select(LegacyIdRow.job_id).limit(1))
+        return found
+
+    async def forget_legacy_ids(self, job_ids: Sequence[uuid.UUID]) -> None:
+        """Those jobs are in the engine under their own ids now (enqueued again, or finished)."""
+        if not job_ids or self._legacy_empty:
+            return
+        async with self.db.sessions() as session, session.begin():
+            await session.execute(delete(LegacyIdRow).where(LegacyIdRow.job_id.in_(job_ids)))
+
+    async def engine_id(self, job_id: uuid.UUID) -> str:
+        """The id the engine knows a stored job by: its own, or one an earlier version gave it."""
+        return (await self.legacy_engine_ids([job_id])).get(job_id, str(job_id))
 
 
 def _joined() -> Select[JobRow, JobStateRow]:

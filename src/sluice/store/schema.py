@@ -97,9 +97,8 @@ class JobStateRow(Base):
     """Where a job stands: what its transitions change, one row per job (``id`` is the job's).
 
     ``status`` is the API's view (QUEUED, PROCESSING, COMPLETED, FAILED,
-    DEAD_LETTER, CANCELLED, REJECTED, EXHAUSTED, PARKED); ``engine_id`` the
-    engine's id of it in ``queue`` (set by the sink from the first event, or by
-    the reconciler when it enqueues again). ``ev_ms``/``ev_seq`` is the last
+    DEAD_LETTER, CANCELLED, REJECTED, EXHAUSTED, PARKED); the engine knows the
+    job by the same id, in ``queue``. ``ev_ms``/``ev_seq`` is the last
     event applied (its stream id): the sink applies an event only if it is
     newer, so redelivered or reordered batches cannot move a job backwards.
     ``tenant``, ``queue`` and ``created_at`` are the job's, copied so that the
@@ -113,7 +112,6 @@ class JobStateRow(Base):
     queue: Mapped[str] = mapped_column(Text, nullable=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     status: Mapped[str] = mapped_column(Text, nullable=False)
-    engine_id: Mapped[int | None] = mapped_column(BigInteger)
     attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     result: Mapped[Any | None] = mapped_column(JSONB)
     error: Mapped[str | None] = mapped_column(Text)
@@ -140,6 +138,16 @@ class JobStateRow(Base):
             postgresql_where=text("status IN ('QUEUED', 'PROCESSING', 'FAILED', 'PARKED')"),
         ),
     )
+
+
+class LegacyIdRow(Base):
+    """The engine id of a job that an earlier version enqueued under a number of its own and
+    that had not finished when the store was migrated (migration 0009); nothing adds rows."""
+
+    __tablename__ = "job_legacy_ids"
+
+    job_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    engine_id: Mapped[int] = mapped_column(BigInteger, nullable=False)
 
 
 class AttemptRow(Base):

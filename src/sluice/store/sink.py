@@ -10,11 +10,12 @@ applies them again. Applying is idempotent: a job's state row remembers the stre
 id of the last event applied to it and takes only newer ones, and attempts
 are keyed by their lease token.
 
-Events name jobs by the engine's id. The API enqueues each job under the
-engine idempotency key ``job:<uuid>``, which the engine keeps in the job's
-record: the sink maps an engine id it has not seen to the store's id from
-there (one pipelined read per batch), and writes the engine id on the row.
-Jobs added to the queue without the API have no such key and are skipped.
+Events name jobs by their id, which is the store's: the API enqueues each job
+under its row's UUID. An event of a job the store does not hold (one added to
+the queue without the API) changes no row, and its attempts are not written.
+A job an earlier version enqueued has a number for its id; its record names
+the engine idempotency key ``job:<uuid>``, through which such an event is
+mapped to its row (one pipelined read per batch) until those jobs are gone.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
-from array import array
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -54,8 +55,10 @@ if holder and holder ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
-#: Engine id -> store id, remembered for this many engine ids (see StoreIds): 24 MiB.
-_MAP_SIZE = 1 << 20
+#: A store id as events carry it (a UUID's text, as ``str(uuid.UUID)`` writes it).
+_STORE_ID = re.compile(rb"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+#: Numbered (earlier version's) ids mapped to store ids, remembered up to this many.
+_LEGACY_MAP_SIZE = 100_000
 
 #: The status each event leaves a job in (events not here leave it as it is).
 STATUS_AFTER = {
@@ -139,14 +142,6 @@ def engine_key(job_id: uuid.UUID) -> str:
     return f"{ENGINE_KEY_PREFIX}{job_id}"
 
 
-async def engine_id_of(queue: Queue, job_id: uuid.UUID) -> int | None:
-    """The engine's id of a stored job, from its engine idempotency key (None: the engine does
-    not have it). For a job no event has named yet, whose row has no engine id."""
-    raw: Any = await queue.redis.get(queue.keys.idem(engine_key(job_id)))
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    return int(text) if text and text.isdigit() else None
-
-
 def _stream_id(raw: bytes | str) -> tuple[int, int]:
     if isinstance(raw, bytes):
         ms, _, seq = raw.partition(b"-")
@@ -159,9 +154,10 @@ def _stream_id(raw: bytes | str) -> tuple[int, int]:
 class _Patch:
     """What one batch does to one job: the last event's id and status, and the fields it set."""
 
-    #: the store id as an int: hashed, compared and sorted as one, made a UUID only for asyncpg
-    job: int
-    engine_id: int
+    #: the store id, as text (asyncpg parses it in C); sorted as text, it sorts as the UUIDs do
+    job: str
+    #: the id the engine knows the job by: the same, but for a job an earlier version enqueued
+    engine: str
     ev: tuple[int, int] = (0, 0)
     status: str | None = None
     attempts: int | None = None
@@ -178,77 +174,6 @@ class _Patch:
     #: each ended: tuples, not a dict per event (the collector untracks them, and they cost less)
     starts: list[tuple[int, int, str | None, int]] = field(default_factory=list)
     ends: list[tuple[int | None, str, str | None, int]] = field(default_factory=list)
-
-
-class StoreIds:
-    """Engine id -> store id (as an int; None: not a job of the API's), for about the last
-    ``size`` engine ids: a direct-mapped table, slot ``engine_id % size``, where a new id
-    takes the slot of the one ``size`` before it.
-
-    Engine ids are a queue's dense, increasing counter, so the table holds the last ``size``
-    jobs with no eviction order to keep: a million-job drain meets no id it has to look up.
-    Three arrays of 64-bit numbers (the engine id as a tag, the UUID's two halves), 24 bytes an
-    id, allocated at the first id remembered (a sink that never leads has none), and nothing
-    for the collector to walk. The LRU ``OrderedDict`` it replaces held 200,000 ids in 35 MiB,
-    and a drain in the order the jobs were added evicted each id just before its turn: every
-    job of a drain longer than that was looked up in Redis, one HGET each.
-    The tag is ``engine_id + 1`` for a store id, ``-(engine_id + 1)`` for None, 0 for an
-    empty slot; an id beyond the tag's range is never remembered (it is looked up each time).
-    """
-
-    __slots__ = ("_high", "_low", "_size", "_tags")
-
-    #: engine ids from 0 to this (excluded) are remembered: their tags fit a signed 64-bit int
-    LIMIT = (1 << 63) - 1
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._tags = array("q")
-        self._high = array("Q")
-        self._low = array("Q")
-
-    def __getitem__(self, engine_id: int) -> int | None:
-        """The store id (None: not the API's); KeyError for an id not remembered."""
-        if self._tags and 0 <= engine_id < self.LIMIT:
-            slot = engine_id % self._size
-            tag = self._tags[slot]
-            if tag == engine_id + 1:
-                return (self._high[slot] << 64) | self._low[slot]
-            if tag == -engine_id - 1:
-                return None
-        raise KeyError(engine_id)
-
-    def __setitem__(self, engine_id: int, job: int | None) -> None:
-        if not 0 <= engine_id < self.LIMIT:
-            return
-        if not self._tags:
-            self._tags = array("q", [0]) * self._size
-            self._high = array("Q", [0]) * self._size
-            self._low = array("Q", [0]) * self._size
-        slot = engine_id % self._size
-        if job is None:
-            self._tags[slot] = -engine_id - 1
-        else:
-            self._tags[slot] = engine_id + 1
-            self._high[slot], self._low[slot] = job >> 64, job & 0xFFFF_FFFF_FFFF_FFFF
-
-    def __contains__(self, engine_id: int) -> bool:
-        try:
-            self[engine_id]
-        except KeyError:
-            return False
-        return True
-
-    def get(self, engine_id: int) -> int | None:
-        """The store id, None if not the API's or not remembered."""
-        try:
-            return self[engine_id]
-        except KeyError:
-            return None
-
-    def clear(self) -> None:
-        """Forget every id (and free the arrays until the next one)."""
-        self._tags, self._high, self._low = array("q"), array("Q"), array("Q")
 
 
 class TransitionSink:
@@ -273,10 +198,8 @@ class TransitionSink:
         #: them as they trickle in cost three round trips per event or two (at 1,500
         #: submissions/s, a quarter of an API process), for a store at most this much later
         self.linger = linger
-        #: engine id -> the store id as an int (None: not a job of the API's). Ints in arrays,
-        #: not UUID objects: the collector walks every object it tracks, and 200,000 UUIDs made
-        #: each full collection a pause of the API process that holds the map.
-        self._ids = StoreIds(_MAP_SIZE)
+        #: an earlier version's numbered id -> the store id (None: not a job of the API's)
+        self._legacy: dict[bytes, str | None] = {}
         self._idem_prefix = queue.keys.idem_prefix + ENGINE_KEY_PREFIX
         self._group_ready = False
         self._pending_done = False
@@ -370,7 +293,7 @@ class TransitionSink:
             log.warning("store sink: the events stream's consumer group is gone (Redis lost its data?)")
             await self._drop_writing()
             self._group_ready = self._pending_done = False
-            self._ids.clear()
+            self._legacy.clear()
             return 0
 
     async def _step(self) -> int:
@@ -465,77 +388,79 @@ class TransitionSink:
 
     async def _prepare(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> list[_Patch]:
         """What a batch does to each job it names, in job id order (two writers, as when a
-        lease just changed hands, then lock rows alike)."""
+        lease just changed hands, then lock rows alike). ``added`` writes nothing: the API
+        stored the row as QUEUED before it enqueued (this halves the store's writes while jobs
+        pour in)."""
         events = []
+        numbered = set()
+        applied, match = _APPLIED, _STORE_ID.match
         for sid, fields in entries:
-            raw_id = fields.get(b"id")
-            if raw_id is None or not raw_id.isdigit():
+            kind = applied.get(fields.get(b"ev", b""))
+            if kind is None:
                 continue
-            ev_name = fields.get(b"ev", b"")
-            if ev_name == b"added":
-                # Nothing to write: the API stored the row as QUEUED before it enqueued (this
-                # halves the store's writes while jobs pour in; the row learns its engine id
-                # from the first event that moves the job, or from the reconciler). The event
-                # names the job's idempotency key, hence its store id: remembered now, while
-                # jobs arrive, so that a drain needs no lookup. (An event without one, of a job
-                # added without a key or by an older version, is looked up when the job moves.)
-                idem = fields.get(b"idem")
-                if idem is not None:
-                    self._ids[int(raw_id)] = self._store_id(idem)
-            else:
-                kind = _APPLIED.get(ev_name)
-                if kind is not None:
-                    events.append((sid, kind, int(raw_id), fields))
+            raw_id = fields.get(b"id")
+            if raw_id is None:
+                continue
+            if match(raw_id) is None:
+                if not raw_id.isdigit():
+                    continue  # a caller's own id: not a job of the API's
+                numbered.add(raw_id)
+            events.append((sid, kind, raw_id, fields))
         if not events:
             return []
-        ids = await self._resolve({e[2] for e in events})
-        patches: dict[int, _Patch] = {}
-        for sid, kind, engine_id, fields in events:
-            patch = patches.get(engine_id)
+        legacy = await self._legacy_ids(numbered) if numbered else {}
+        patches: dict[bytes, _Patch] = {}
+        for sid, kind, raw_id, fields in events:
+            patch = patches.get(raw_id)
             if patch is None:
-                job = ids.get(engine_id)
-                if job is None:
-                    continue
-                patch = patches[engine_id] = _Patch(job, engine_id)
+                engine = raw_id.decode()
+                if raw_id in numbered:
+                    job = legacy.get(raw_id)
+                    if job is None:
+                        continue
+                else:
+                    job = engine
+                patch = patches[raw_id] = _Patch(job, engine)
             _fold(patch, sid, kind, fields)
         missing = [p for p in patches.values() if p.status == "COMPLETED" and not p.has_result]
         if missing:
             await self._results(missing)
         return sorted(patches.values(), key=_by_job)
 
-    async def _resolve(self, engine_ids: set[int]) -> dict[int, int]:
-        """Store ids (as ints) of engine ids: from memory, else from the engine's record of the job."""
-        out: dict[int, int] = {}
+    async def _legacy_ids(self, numbered: set[bytes]) -> dict[bytes, str]:
+        """Store ids of jobs an earlier version enqueued under numbers, from their records'
+        engine idempotency keys (``job:<uuid>``); remembered, as such jobs drain away."""
+        out: dict[bytes, str] = {}
         unknown = []
-        remembered = self._ids
-        for engine_id in engine_ids:
-            try:
-                known = remembered[engine_id]
-            except KeyError:
+        for engine_id in numbered:
+            if engine_id in self._legacy:
+                known = self._legacy[engine_id]
+                if known is not None:
+                    out[engine_id] = known
+            else:
                 unknown.append(engine_id)
-                continue
-            if known is not None:
-                out[engine_id] = known
         if unknown:
             keys = self.queue.keys
             async with self.queue.redis.pipeline(transaction=False) as pipe:
                 for engine_id in unknown:
-                    pipe.hget(keys.job(str(engine_id)), "idem")
+                    pipe.hget(keys.job(engine_id.decode()), "idem")
                 idems = await pipe.execute()
+            if len(self._legacy) > _LEGACY_MAP_SIZE:
+                self._legacy.clear()
             for engine_id, idem in zip(unknown, idems, strict=True):
                 job = self._store_id(idem)
-                self._ids[engine_id] = job
+                self._legacy[engine_id] = job
                 if job is not None:
                     out[engine_id] = job
         return out
 
-    def _store_id(self, idem: bytes | None) -> int | None:
-        """The store id (as an int) in an engine idempotency key (None: not a key the API made)."""
+    def _store_id(self, idem: bytes | None) -> str | None:
+        """The store id in an engine idempotency key (None: not a key the API made)."""
         text_idem = idem.decode() if idem else ""
         if not text_idem.startswith(self._idem_prefix):
             return None
         try:
-            return uuid.UUID(text_idem[len(self._idem_prefix) :]).int
+            return str(uuid.UUID(text_idem[len(self._idem_prefix) :]))
         except ValueError:
             return None
 
@@ -544,7 +469,7 @@ class TransitionSink:
         keys = self.queue.keys
         async with self.queue.redis.pipeline(transaction=False) as pipe:
             for p in patches:
-                pipe.hget(keys.job(str(p.engine_id)), "result")
+                pipe.hget(keys.job(p.engine), "result")
             values = await pipe.execute()
         for p, value in zip(patches, values, strict=True):
             if value is not None:
@@ -556,8 +481,7 @@ class TransitionSink:
         about a millisecond of CPU per job, the whole budget of a fast drain."""
         now = datetime.now(UTC)
         rows = (
-            [_pg_uuid(p.job) for p in patches],
-            [p.engine_id for p in patches],
+            [p.job for p in patches],
             [p.status for p in patches],
             [p.attempts for p in patches],
             [p.reset_attempts for p in patches],
@@ -569,7 +493,6 @@ class TransitionSink:
             [p.ev[1] for p in patches],
             now,
         )
-        starts, ends = _attempts(patches)
         async with self.db.engine.connect() as conn:
             raw = (await conn.get_raw_connection()).driver_connection
             assert raw is not None
@@ -585,31 +508,29 @@ class TransitionSink:
                     "SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; "
                     "SET LOCAL enable_seqscan = off"
                 )
-                await raw.execute(_UPDATE, *rows)
+                # Attempts only of the jobs whose row took the batch's events: a row that has
+                # them already has their attempts (events are applied in order), and a job
+                # the store does not hold has none.
+                moved = {r[0] for r in await raw.fetch(_UPDATE, *rows)}
+                starts, ends = _attempts([p for p in patches if p.job in moved])
                 # Ends of attempts begun in earlier batches first: one that names no token
                 # ends the job's latest attempt, which must not yet be one this batch begins.
                 for chunk in _without_repeats(ends):
                     job, token, outcome, error, at = (list(column) for column in zip(*chunk, strict=True))
-                    await raw.execute(_END, [_pg_uuid(j) for j in job], token, outcome, error, at)
+                    await raw.execute(_END, job, token, outcome, error, at)
                 if starts:
                     job, *columns = (list(column) for column in zip(*starts, strict=True))
-                    await raw.execute(_START, [_pg_uuid(j) for j in job], *columns)
+                    await raw.execute(_START, job, *columns)
 
 
-def _by_job(p: _Patch) -> int:
+def _by_job(p: _Patch) -> str:
     return p.job
-
-
-def _pg_uuid(job: int) -> str:
-    """A store id as asyncpg takes a ``uuid`` cheapest: its 32 hex digits (asyncpg parses them
-    in C; a ``uuid.UUID`` cost a Python constructor here and a Python property there)."""
-    return job.to_bytes(16).hex()
 
 
 #: An attempt begun: (job, token, attempt, worker, started, finished, outcome, error).
 _Start = list[Any]
 #: An attempt's end: (job, token, outcome, error, at).
-_End = tuple[int, int | None, str, str | None, int]
+_End = tuple[str, int | None, str, str | None, int]
 
 
 def _attempts(patches: list[_Patch]) -> tuple[list[_Start], list[_End]]:
@@ -617,7 +538,7 @@ def _attempts(patches: list[_Patch]) -> tuple[list[_Start], list[_End]]:
     not an INSERT then an UPDATE), and the ends of attempts started in earlier batches."""
     starts: list[_Start] = []
     ends: list[_End] = []
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[str, int]] = set()
     for p in patches:
         job = p.job
         # One row per (job, token) in a statement: ON CONFLICT DO UPDATE refuses to change a
@@ -641,7 +562,7 @@ def _without_repeats(ends: list[_End]) -> list[list[_End]]:
     """The attempt ends in statements where no job appears twice: one UPDATE changes a row at
     most once, and a job whose two attempts ended in one batch must end the first first."""
     chunks: list[list[_End]] = []
-    seen: list[set[int]] = []
+    seen: list[set[str]] = []
     for end in ends:
         job = end[0]
         index = 0
@@ -689,7 +610,6 @@ def _fold(p: _Patch, sid: bytes, kind: _Kind, fields: dict[bytes, bytes]) -> Non
 # Only a newer event moves a job: (ev_ms, ev_seq) is the last applied stream id.
 _UPDATE = """
 UPDATE job_states AS j SET
-    engine_id = d.engine_id,
     status = COALESCE(d.status, j.status),
     attempts = CASE WHEN d.reset THEN 0 ELSE COALESCE(d.attempts, j.attempts) END,
     result = COALESCE(d.result::jsonb, j.result),
@@ -697,12 +617,12 @@ UPDATE job_states AS j SET
     processed_at = COALESCE(j.processed_at, to_timestamp(d.processed_at / 1000.0)),
     completed_at = COALESCE(to_timestamp(d.completed_at / 1000.0), j.completed_at),
     ev_ms = d.ev_ms, ev_seq = d.ev_seq,
-    updated_at = $12
-FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::int[], $5::bool[], $6::text[], $7::text[],
-            $8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[])
-     AS d(id, engine_id, status, attempts, reset, result, error, processed_at, completed_at,
-          ev_ms, ev_seq)
+    updated_at = $11
+FROM unnest($1::uuid[], $2::text[], $3::int[], $4::bool[], $5::text[], $6::text[],
+            $7::bigint[], $8::bigint[], $9::bigint[], $10::bigint[])
+     AS d(id, status, attempts, reset, result, error, processed_at, completed_at, ev_ms, ev_seq)
 WHERE j.id = d.id AND (j.ev_ms, j.ev_seq) < (d.ev_ms, d.ev_seq)
+RETURNING j.id::text
 """
 # An attempt written again (a batch applied twice) keeps the end it has; it takes one it lacks.
 _START = """
