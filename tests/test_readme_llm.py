@@ -1,11 +1,11 @@
-"""The README's "Flow control and budgets" example runs as written, against a provider on loopback.
+"""docs/using.md's "Flow control and budgets" example runs as written, against a provider on loopback.
 
 Its python block is the file ``app/llm.py``: a worker whose handler calls an
 OpenAI-compatible ``/v1/chat/completions``, and a producer that sets the
 shared limits, creates a budget under a team and adds eight jobs. The test
 serves the simulated provider (sluice.testing.provider, a real HTTP server
 that counts what it bills), runs ``sluice worker app.llm:worker`` in two
-processes and ``python app/llm.py``, as the README says, and then checks the
+processes and ``python app/llm.py``, as the page says, and then checks the
 claims against what the provider saw, not what the ledger says of itself:
 the budgets were charged exactly the tokens the provider billed, no more
 than 4 calls ran at once, no 5 starts fell within one second, and every
@@ -32,7 +32,7 @@ SECTION = "## Flow control and budgets"
 
 
 def example() -> str:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "using.md").read_text()
     start = text.index(SECTION + "\n")
     end = text.index("\n## ", start + len(SECTION))
     blocks = re.findall(r"^```python\n(.*?)^```$", text[start:end], re.MULTILINE | re.DOTALL)

@@ -228,10 +228,10 @@ def test_the_readmes_service_commands_run_as_written(tmp_path: Path) -> None:
         _stop(proc)
 
 
-def test_the_readmes_llm_commands_run_as_written(tmp_path: Path) -> None:
-    # "LLM jobs and the semantic cache": `sluice dev` with no provider configured (the offline
-    # model), two llm-inference submissions, then the second job: answered from the first's.
-    text = (Path(__file__).parent.parent / "README.md").read_text()
+def test_the_service_pages_llm_commands_run_as_written(tmp_path: Path) -> None:
+    # docs/service.md, "LLM jobs and the semantic cache": `sluice dev` with no provider configured
+    # (the offline model), two llm-inference submissions, then the second job: answered from the first's.
+    text = (Path(__file__).parent.parent / "docs" / "service.md").read_text()
     start = text.index("## LLM jobs and the semantic cache\n")
     block = re.findall(r"^```sh\n(.*?)^```$", text[start : text.index("\n## ", start + 5)], re.M | re.S)[0]
     lines = [words for words in (shlex.split(line, comments=True) for line in block.splitlines()) if words]

@@ -14,6 +14,9 @@ error's message says what went wrong *and* what to do about it::
     │   └── OutcomeUnknown        the connection broke after a write was sent: it
     │                             may or may not have been applied. Retrying an
     │                             add is safe with an idempotency key
+    ├── StoreUnavailable          PostgreSQL (the service's store) could not take
+    │                             a write (also a ConnectionError); send the
+    │                             request again with its idempotency key
     ├── RedisCommandError         Redis refused a command (out of memory, a
     │                             read-only replica, missing ACL permission)
     ├── InvalidJobError           bad input to Queue.add / add_bulk; nothing was
@@ -31,7 +34,9 @@ error's message says what went wrong *and* what to do about it::
     │                             queue; ``.error`` holds its last error
     ├── JobCancelled              Job.result(): the job was cancelled
     ├── JobRejected               Job.result(): its budget could not admit it
-    │                             (on_exhausted="reject"); ``.reason`` says why
+    │   │                         (on_exhausted="reject"); ``.reason`` says why
+    │   └── JobExhausted          the same, after earlier attempts had spent
+    │                             tokens (``JobRecord.spent`` says how much)
     ├── BudgetError               a budget operation cannot be done (bad name,
     │   │                         parent or window)
     │   ├── BudgetNotFound        no budget of that name (also raised by add for
