@@ -133,8 +133,8 @@ async def _measure(conn: asyncpg.Connection, variant: str, jobs: int, batch: int
         n = len(part)
         async with conn.transaction():
             await conn.execute(_PLAN)
-            await conn.execute(
-                update, part, list(range(start, start + n)), ["COMPLETED"] * n, [1] * n, [False] * n,
+            await conn.fetch(
+                update, part, ["COMPLETED"] * n, [1] * n, [False] * n,
                 ['{"ok": true}'] * n, [None] * n, [ms] * n, [ms + 5] * n, [ms + 5] * n, [1] * n, now,
             )  # fmt: skip
             if variant != "no attempts":
