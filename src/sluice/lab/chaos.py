@@ -44,7 +44,7 @@ from sluice.lab.chaos_plan import ChaosSpec, PlannedFault, plan_faults, work_ms
 from sluice.lab.chaos_worker import EVENTS_MAXLEN, LEASE_S, WITNESS_PATTERN
 from sluice.lab.common import machine_meta, new_queue_name
 from sluice.lab.procs import WorkerGroup
-from sluice.testing.embedded import EmbeddedRedis, RedisBinary
+from sluice.local.embedded import EmbeddedRedis, RedisBinary
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

@@ -30,8 +30,8 @@ import sluice
 from sluice.engine.connection import connect, redact
 from sluice.engine.keys import QueueKeys
 from sluice.errors import RedisUnavailable
+from sluice.local.embedded import EmbeddedRedis
 from sluice.settings import ENV_REDIS_URL
-from sluice.testing.embedded import EmbeddedRedis
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

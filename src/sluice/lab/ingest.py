@@ -64,13 +64,13 @@ from sluice.lab.common import drop_queue, new_queue_name
 from sluice.lab.ingest_worker import SERVICE_EVENTS_MAXLEN
 from sluice.lab.procs import WorkerGroup, process_cpu_s, redis_cpu_s
 from sluice.lab.stats import percentile, rate, summarize_ms
+from sluice.local.embedded import free_port
+from sluice.local.postgres import EmbeddedPostgres
 from sluice.service.submit import NEST_BACKOFF
 from sluice.settings import ENV_DATABASE_URL
 from sluice.store.database import Database, redact_url
 from sluice.store.keys import KeyStore
 from sluice.store.sink import caught_up, engine_key
-from sluice.testing.embedded import free_port
-from sluice.testing.postgres import EmbeddedPostgres
 
 #: The targets of issue 10 (2-core machine).
 TARGET_RATE = 1500.0

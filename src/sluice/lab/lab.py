@@ -45,7 +45,7 @@ from sluice.engine.queue import Queue
 from sluice.lab.common import drop_queue
 from sluice.lab.lab_worker import ENV_URL, lab_key
 from sluice.lab.stats import percentile
-from sluice.testing.processes import worker_process
+from sluice.local.processes import worker_process
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

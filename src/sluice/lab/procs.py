@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from sluice.testing.processes import worker_process
+from sluice.local.processes import worker_process
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

@@ -9,7 +9,7 @@ counted across every process on the machine, and, as root, makes every
 folder above its data and its installation readable by all: we need a chosen
 TCP port, a server whose lifetime one object owns, and a SIGKILL for crash
 tests. The command line shares one server per folder between commands
-(:mod:`sluice.testing.shared_postgres`, which starts it through this class).
+(:mod:`sluice.local.shared_postgres`, which starts it through this class).
 
 PostgreSQL refuses to run as root. As root, the server therefore runs as an
 unprivileged OS user: the owner of an existing data folder, else
@@ -37,8 +37,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from sluice.errors import ConfigurationError, SluiceError
-from sluice.testing.embedded import free_port
-from sluice.testing.postgres_binaries import (
+from sluice.local.embedded import free_port
+from sluice.local.postgres_binaries import (
     OsUser,
     PostgresBinaries,
     environment,
@@ -282,7 +282,7 @@ class EmbeddedPostgres:
         """Who may connect how, rewritten at every start: the socket trusts, TCP wants the password."""
         method = "scram-sha-256" if self.password is not None else "trust"
         text = (
-            "# Written by sluice.testing.postgres at every start.\n"
+            "# Written by sluice.local.postgres at every start.\n"
             "local all all trust\n"
             f"host all all 127.0.0.1/32 {method}\n"
         )

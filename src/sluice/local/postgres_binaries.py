@@ -2,7 +2,7 @@
 
 The programs come from the ``pgserver`` wheel (the ``service`` extra):
 PostgreSQL 16 with pgvector, nothing downloaded at run time. PostgreSQL
-refuses to run as root, so as root :mod:`sluice.testing.postgres` runs them
+refuses to run as root, so as root :mod:`sluice.local.postgres` runs them
 as an unprivileged OS user (:func:`os_user`, created once if needed) and
 gives that user the search bit on the folders it must reach
 (:func:`let_traverse`).

@@ -51,8 +51,7 @@ from types import TracebackType
 
 from sluice.engine.connection import redact
 from sluice.errors import ConfigurationError
-from sluice.settings import ENV_HOME, ENV_REDIS_URL
-from sluice.testing.embedded import (
+from sluice.local.embedded import (
     Address,
     EmbeddedRedis,
     RedisBinary,
@@ -61,6 +60,7 @@ from sluice.testing.embedded import (
     probe,
     shutdown,
 )
+from sluice.settings import ENV_HOME, ENV_REDIS_URL
 
 #: How long to wait for another process's start or stop, or for a server to finish loading.
 LOCK_TIMEOUT = 60.0

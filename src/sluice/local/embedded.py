@@ -5,7 +5,7 @@ The binary is the system's ``redis-server`` if one is on PATH (Debian ships
 extra). The server listens on a unix socket (or, with ``port=0``, a free
 loopback port) and keeps its data in a folder of its own.
 :class:`EmbeddedRedis` is one server owned by one object; the command line
-shares one per folder between commands (:mod:`sluice.testing.shared`, which
+shares one per folder between commands (:mod:`sluice.local.shared`, which
 starts it through this class and stops it with :func:`shutdown`).
 """
 
@@ -215,7 +215,7 @@ class EmbeddedRedis:
     (the chaos bench kills it and checks that).
     ``detached`` starts the server in a session of its own, so that a Ctrl-C
     in the starter's terminal or the starter's exit does not reach it (the
-    shared server of :mod:`sluice.testing.shared` outlives its starter); while
+    shared server of :mod:`sluice.local.shared` outlives its starter); while
     the starter lives, a thread of its reaps the server when it exits,
     whoever stopped it. ``password`` makes the server require it (AUTH) and
     puts it in :attr:`url`: a loopback port is open to every user of the

@@ -1,6 +1,6 @@
 """One embedded PostgreSQL per folder, shared by every command that uses it; the last one out stops it.
 
-What :mod:`sluice.testing.shared` does for Redis, for the PostgreSQL that
+What :mod:`sluice.local.shared` does for Redis, for the PostgreSQL that
 holds the service's records (``sluice dev`` with no SLUICE_DATABASE_URL), with
 the same rules and the same ``flock`` machinery (see that module: a killed
 user never keeps the server alive, a killed starter's server is adopted, two
@@ -41,11 +41,11 @@ from pathlib import Path
 from types import TracebackType
 
 from sluice.errors import ConfigurationError
+from sluice.local.embedded import pid_alive
+from sluice.local.postgres import ROOT_OS_USER, EmbeddedPostgres, ready
+from sluice.local.postgres_binaries import PostgresBinaries, find_binaries
+from sluice.local.shared import LOCK_TIMEOUT, ServerFolder, User, _wait_gone
 from sluice.settings import ENV_DATABASE_URL
-from sluice.testing.embedded import pid_alive
-from sluice.testing.postgres import ROOT_OS_USER, EmbeddedPostgres, ready
-from sluice.testing.postgres_binaries import PostgresBinaries, find_binaries
-from sluice.testing.shared import LOCK_TIMEOUT, ServerFolder, User, _wait_gone
 
 #: The database the shared server's URL names (created on first start).
 DATABASE = "sluice"
