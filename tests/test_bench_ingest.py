@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from sluice.lab.ingest import ROUTES, body_template, judge
-from sluice.lab.ingest_load import run as run_load
+from sluice_lab.ingest import ROUTES, body_template, judge
+from sluice_lab.ingest_load import run as run_load
 
 INGEST_ROW = {
     "api_processes",
