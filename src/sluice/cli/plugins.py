@@ -20,7 +20,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
 
 import typer
-from typer.core import TyperCommand
+from typer.core import MarkupMode, TyperCommand
 
 from sluice.cli.errors import CliFailure, SluiceGroup, one_line
 
@@ -61,7 +61,7 @@ def missing(name: str) -> Command:
     )
 
 
-def load(entry: EntryPoint, rich_markup_mode: Any) -> Command:
+def load(entry: EntryPoint, rich_markup_mode: MarkupMode) -> Command:
     """The entry point's Typer as a command group named after the entry point, as add_typer makes it."""
     distribution = entry.dist.name if entry.dist is not None else entry.value
     try:
