@@ -5,7 +5,7 @@ a cluster adds capacity by giving different queues different masters. This
 script spreads K queues (default 6, named so that their slots land on every
 master in turn) over a local cluster of 3 masters, adds M no-op jobs to them,
 drains them with W worker processes (``python -m sluice worker
-sluice.lab.noop:worker``, one queue each, round robin), and does the same on a
+sluice_lab.noop:worker``, one queue each, round robin), and does the same on a
 single redis-server of the same version, alternating the two ``--reps`` times.
 
     .venv/bin/python benchmarks/cluster_drain.py                  # 6 queues, 30,000 jobs, 6 processes
@@ -49,11 +49,11 @@ from redis.crc import key_slot
 
 from sluice import JobSpec, Queue
 from sluice.engine.connection import connect
+from sluice.local.processes import worker_process
 from sluice.testing import EmbeddedCluster, EmbeddedRedis, RedisBinary, find_binary
-from sluice.testing.processes import worker_process
 
 RESULTS = Path(__file__).parent / "results"
-TARGET = "sluice.lab.noop:worker"
+TARGET = "sluice_lab.noop:worker"
 
 
 @dataclass

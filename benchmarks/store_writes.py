@@ -44,9 +44,9 @@ from typing import Any
 import asyncpg  # type: ignore[import-untyped]
 from sqlalchemy.engine import make_url
 
+from sluice.local.postgres import EmbeddedPostgres
 from sluice.store.database import Database, redact_url
 from sluice.store.sink import _START, _UPDATE
-from sluice.testing.postgres import EmbeddedPostgres
 
 VARIANTS = ("as built", "wide jobs", "attempts FK", "no attempts")
 #: The schema each variant starts from (a migration's revision).

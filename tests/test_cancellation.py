@@ -20,7 +20,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from sluice.engine.connection import blocking_client, connect
-from sluice.testing.embedded import EmbeddedRedis
+from sluice.local.embedded import EmbeddedRedis
 
 TRIES = 200
 

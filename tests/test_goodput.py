@@ -11,8 +11,8 @@ import pytest
 from redis.asyncio import Redis
 from rich.console import Console
 
-from sluice.cli.goodput_cmd import goodput_table
-from sluice.lab.goodput import (
+from sluice_lab.cli.goodput_cmd import goodput_table
+from sluice_lab.goodput import (
     CLIENT_LIMITED,
     LIMITED,
     NO_LIMITER,
@@ -22,8 +22,8 @@ from sluice.lab.goodput import (
     theoretical_min_s,
     workload,
 )
-from sluice.lab.goodput_limiter import ClientLimiter, ClientLimits
-from sluice.lab.goodput_report import compare, spec_meta
+from sluice_lab.goodput_limiter import ClientLimiter, ClientLimits
+from sluice_lab.goodput_report import compare, spec_meta
 
 
 def test_workload_is_deterministic_and_varied() -> None:

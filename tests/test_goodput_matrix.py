@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from sluice.cli.app import app
-from sluice.cli.goodput_matrix import build_matrix
-from sluice.lab.goodput import CLIENT_LIMITED, LIMITED, NO_LIMITER, VARIANTS, GoodputSpec
-from sluice.lab.goodput_matrix import Cell, Matrix, cell_specs, cell_timeout, meets_target
+from sluice_lab.cli.goodput_matrix import build_matrix
+from sluice_lab.goodput import CLIENT_LIMITED, LIMITED, NO_LIMITER, VARIANTS, GoodputSpec
+from sluice_lab.goodput_matrix import Cell, Matrix, cell_specs, cell_timeout, meets_target
 
 runner = CliRunner()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from redis.asyncio import Redis
 
 from sluice import Backoff, JobContext, Queue, Worker
-from sluice.lab.common import drop_queue
+from sluice_lab.common import drop_queue
 from tests.conftest import running
 
 

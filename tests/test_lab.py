@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.lab.lab import Workload, max_concurrent, min_window_span, overuse_checks, overuse_figures
+from sluice_lab.lab import Workload, max_concurrent, min_window_span, overuse_checks, overuse_figures
 
 REFERENCE_FIELDS = {
     "workload": {"loadJobs", "workerProcesses", "globalConcurrency", "rateLimitMax", "rateLimitDurationMs"},

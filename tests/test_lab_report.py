@@ -20,8 +20,8 @@ import pytest
 from rich.console import Console
 from rich.table import Table
 
-from sluice.lab.lab_report import lab_table, throttle_table, write_report
-from sluice.lab.stats import percentile
+from sluice_lab.lab_report import lab_table, throttle_table, write_report
+from sluice_lab.stats import percentile
 
 T0 = 1_767_225_600_000.0  # unix ms
 HOSTILE = '<script>alert("$\\bogus$")</script>'
@@ -286,7 +286,7 @@ def test_write_report_is_one_portable_file(tmp_path: Path) -> None:
     for mode in ("naive", "atomic", "admission"):
         assert f"<h3>{mode}</h3>" in page
     assert "<style>" in page and "<link" not in page and 'src="http' not in page
-    assert "sluice-queue[lab]" not in page  # charts are there, so no install hint
+    assert "pip install sluice-lab" not in page  # charts are there, so no install hint
 
 
 def test_write_report_escapes_what_it_is_given(tmp_path: Path) -> None:
@@ -330,7 +330,7 @@ def test_write_report_without_matplotlib(tmp_path: Path, monkeypatch: pytest.Mon
 
     # Then: the tables are all there, with the way to get the charts
     assert "data:image/png" not in page and "<img" not in page
-    assert html.escape("pip install 'sluice-queue[lab]'") in page
+    assert html.escape("pip install sluice-lab") in page
     for mode in ("naive", "atomic", "admission"):
         assert f"<h3>{mode}</h3>" in page
     assert "queue wait p95 ms" in page
@@ -341,7 +341,7 @@ def test_charts_leave_no_pyplot_behind(tmp_path: Path) -> None:
     script = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from sluice.lab.lab_report import write_report\n"
+        "from sluice_lab.lab_report import write_report\n"
         "from tests.test_lab_report import lab_results\n"
         f"write_report(lab_results()[:1], Path({str(tmp_path)!r}))\n"
         "assert 'matplotlib.figure' in sys.modules\n"
@@ -362,8 +362,8 @@ def test_charts_leave_no_pyplot_behind(tmp_path: Path) -> None:
 
 def burst_result(peer: bool = True) -> dict[str, Any]:
     """A small ``sluice bench burst --json`` result: 500 jobs, Sluice and (optionally) BullMQ."""
-    from sluice.lab.burst import summarize
-    from sluice.lab.burst_peer import ratios
+    from sluice_lab.burst import summarize
+    from sluice_lab.burst_peer import ratios
 
     def run(drain: float, p: float) -> dict[str, Any]:
         metric = {"count": 500, "p50": p, "p95": p * 2, "p99": p * 3, "max": p * 4}
@@ -397,8 +397,8 @@ def burst_result(peer: bool = True) -> dict[str, Any]:
 def test_write_report_shows_burst_results_with_their_charts(tmp_path: Path) -> None:
     import json
 
-    from sluice.lab.burst import write_plot
-    from sluice.lab.burst_report import find_bursts
+    from sluice_lab.burst import write_plot
+    from sluice_lab.burst_report import find_bursts
 
     # Given a burst result with its PNG in the lab's output folder, and one given from elsewhere
     out = tmp_path / "lab"
@@ -432,7 +432,7 @@ def test_write_report_shows_burst_results_with_their_charts(tmp_path: Path) -> N
 def test_write_report_without_bursts_has_no_burst_section_and_says_why_a_file_is_not_shown(
     tmp_path: Path,
 ) -> None:
-    from sluice.lab.burst_report import find_bursts
+    from sluice_lab.burst_report import find_bursts
 
     assert find_bursts(tmp_path / "missing") == []
     page = write_report(lab_results(), tmp_path).read_text(encoding="utf-8")

@@ -14,9 +14,9 @@ import functools
 
 import pytest
 
-from sluice.lab.cache_quality import Scored, guard_effect, load_pairs, rates, score
 from sluice.llm.cache import DEFAULT_THRESHOLD
 from sluice.llm.guards import GUARDS
+from sluice_lab.cache_quality import Scored, guard_effect, load_pairs, rates, score
 
 
 @functools.cache

@@ -46,7 +46,7 @@ from sluice.llm.provider import (
     Usage,
 )
 from sluice.llm.providers import KNOWN_PROVIDERS, model_from_env, ollama_url, provider_for, provider_from_env
-from sluice.testing.embedded import free_port
+from sluice.local.embedded import free_port
 from sluice.testing.llm_servers import serve_anthropic, serve_gemini
 from sluice.testing.provider import (
     FAULTS_PATH,

@@ -23,9 +23,9 @@ import pytest
 from redis.asyncio import Redis
 from rich.console import Console
 
-from sluice.lab.memory import KINDS, MemorySpec, job_mix, plateau, run_memory, verdict
-from sluice.lab.memory import worker as memory_worker
-from sluice.lab.memory_report import memory_table, pick_rows, write_plot
+from sluice_lab.memory import KINDS, MemorySpec, job_mix, plateau, run_memory, verdict
+from sluice_lab.memory import worker as memory_worker
+from sluice_lab.memory_report import memory_table, pick_rows, write_plot
 
 SECONDS = 14.0
 RATE = 100.0

@@ -18,9 +18,9 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
+from sluice.local.embedded import free_port
 from sluice.service.handlers import service_worker
 from sluice.service.metrics import LOCAL, wants_prometheus
-from sluice.testing.embedded import free_port
 from tests.conftest import eventually, running
 from tests.service_harness import Running, running_service
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from sluice import JobState, Queue, Worker
-from sluice.testing.embedded import probe
+from sluice.local.embedded import probe
 from tests.test_shared_redis import REPO, Command, Terminals, assert_stopped
 
 SECTION = "## Use it as a library"

@@ -16,7 +16,7 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice import JobSpec, Queue
-from sluice.lab.scale import SlowlogSampler, summarize
+from sluice_lab.scale import SlowlogSampler, summarize
 from tests.stepping import lease_pairs
 
 pytestmark = pytest.mark.slow

@@ -500,9 +500,9 @@ async def test_the_intake_replaces_a_connection_the_server_closed(api: Running) 
 
 
 async def test_a_store_that_cannot_be_reached_is_a_503_in_the_one_error_shape(api: Running) -> None:
+    from sluice.local.embedded import free_port
     from sluice.store.database import Database
     from sluice.store.jobs import JobStore
-    from sluice.testing.embedded import free_port
 
     # Given an intake whose PostgreSQL is down (nothing listens on its port)
     dead = Database(f"postgresql+asyncpg://postgres@127.0.0.1:{free_port()}/gone")

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice.testing.embedded import free_port
+from sluice.local.embedded import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.testing.embedded import EmbeddedRedis
+from sluice.local.embedded import EmbeddedRedis
 from tests.conftest import eventually
 from tests.service_harness import Running, running_service
 

@@ -31,10 +31,10 @@ import pytest
 from sqlalchemy import text
 
 from sluice.engine.queue import Queue
+from sluice.local.embedded import free_port
 from sluice.store.database import Database
 from sluice.store.keys import KeyStore
 from sluice.store.sink import engine_key
-from sluice.testing.embedded import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sluice.testing.embedded import free_port
+from sluice.local.embedded import free_port
 from tests.service_harness import running_service
 from tests.test_service_cli import _wait_ready
 

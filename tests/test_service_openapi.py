@@ -46,10 +46,10 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from sluice.local.postgres import EmbeddedPostgres
 from sluice.service.app import create_app
 from sluice.service.config import ServiceSettings
 from sluice.testing import EmbeddedRedis
-from sluice.testing.postgres import EmbeddedPostgres
 from tests.service_harness import Running, running_service
 
 BASE_URL = "http://sluice.test"

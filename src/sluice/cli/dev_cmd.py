@@ -57,7 +57,7 @@ def database_url() -> Iterator[str]:
         yield url
         return
     try:
-        from sluice.testing.shared_postgres import SharedPostgres
+        from sluice.local.shared_postgres import SharedPostgres
     except ImportError as exc:
         raise CliFailure(
             f"the embedded PostgreSQL needs the 'service' extra ({exc.name} is missing): "

@@ -23,9 +23,9 @@ from rich.markup import escape
 from sluice.cli.server import ENV_URL, command_label
 from sluice.engine.connection import redact
 from sluice.errors import RedisUnavailable
+from sluice.local import shared
+from sluice.local.shared import ServerRecord, ServerStatus, SharedRedis
 from sluice.settings import ENV_HOME, ENV_REDIS_SERVER, Settings
-from sluice.testing import shared
-from sluice.testing.shared import ServerRecord, ServerStatus, SharedRedis
 
 console = Console(soft_wrap=True)  # a URL or a path must never be cut in two by a line break
 

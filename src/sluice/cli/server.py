@@ -1,7 +1,7 @@
 """Which Redis a CLI command talks to: --redis, SLUICE_REDIS_URL, or the folder's shared one.
 
 With neither, a command uses the shared embedded server of ``$SLUICE_HOME``
-(default ``./.sluice``; see :mod:`sluice.testing.shared`): it starts one if
+(default ``./.sluice``; see :mod:`sluice.local.shared`): it starts one if
 none runs, and on exit stops it only if no other command still uses it, so
 stopping one worker never strands the others. ``sluice redis`` keeps one
 running in the foreground and prints its URL for programs outside the CLI.
@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from sluice.engine.connection import redact
+from sluice.local.shared import SharedRedis
 from sluice.settings import ENV_REDIS_URL, Settings
-from sluice.testing.shared import SharedRedis
 
 ENV_URL = ENV_REDIS_URL
 

@@ -3,5 +3,5 @@
 Empty until the service lands: this package holds the API routes (ours under
 ``/v1`` and the reference designs' compatibility routes), authentication,
 request schemas and the dashboard. It may import ``llm``, ``store``,
-``testing`` and ``engine``; only ``cli`` imports it. Needs the ``service`` extra.
+``local`` and ``engine``; only ``cli`` imports it. Needs the ``service`` extra.
 """

@@ -3,7 +3,7 @@
 For tests and benchmarks that must see what a cluster changes: keys spread
 over several servers by hash slot, commands sent to the wrong server answered
 with MOVED, blocking reads that must wait on the server that owns their key.
-Every node is an :class:`~sluice.testing.embedded.EmbeddedRedis` started with
+Every node is an :class:`~sluice.local.embedded.EmbeddedRedis` started with
 ``--cluster-enabled yes``; the nodes are joined from Python (CLUSTER
 ADDSLOTSRANGE/ADDSLOTS, SET-CONFIG-EPOCH, MEET, REPLICATE), so the only
 binary needed is ``redis-server`` (the 6.2 one of the ``embedded`` extra
@@ -28,7 +28,7 @@ from types import TracebackType
 import redis
 
 from sluice.errors import ConfigurationError
-from sluice.testing.embedded import EmbeddedRedis, RedisBinary, find_binary
+from sluice.local.embedded import EmbeddedRedis, RedisBinary, find_binary
 
 #: Slots of a Redis Cluster (CRC16 of the key's hash tag, mod 16384).
 SLOTS = 16384

@@ -30,8 +30,7 @@ session, on a free loopback port, without fsync, stopped at the end; every
 test asking for ``sluice_database_url`` gets a database of its own, created
 empty for it (``CREATE DATABASE``: tens of milliseconds) and dropped after
 it, so tests need no cleanup and cannot see each other's tables.
-``asyncpg_dsn()`` of :mod:`sluice.testing.postgres` turns the URL into what
-asyncpg takes.
+:func:`sluice.testing.asyncpg_dsn` turns the URL into what asyncpg takes.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from sluice.testing.embedded import EmbeddedRedis, find_binary
-from sluice.testing.postgres import EmbeddedPostgres
+from sluice.local.embedded import EmbeddedRedis, find_binary
+from sluice.local.postgres import EmbeddedPostgres
 
 
 @pytest.fixture(scope="session")
