@@ -2,9 +2,11 @@
 
     .venv/bin/python benchmarks/install_sizes.py [--json benchmarks/results/install-sizes.json]
 
-Builds one wheel of the checkout, installs it (with its dependencies from the
-package index) into a new venv per extra, and reports the size of what was
-added to site-packages beyond an empty venv (pip itself), and the packages.
+Builds the wheels of the checkout (sluice-queue, and sluice-lab from lab/),
+installs each extra (and the lab, with the sluice-queue wheel it needs) with
+its dependencies from the package index into a new venv, and reports the
+size of what was added to site-packages beyond an empty venv (pip itself),
+and the packages.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from rich.console import Console
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parent.parent
-EXTRAS = ["", "embedded", "testing", "lab", "service", "llm", "all"]
+EXTRAS = ["", "embedded", "testing", "service", "llm", "all"]
+#: The lab's row: the sluice-lab wheel, beside the sluice-queue wheel it depends on.
+LAB = "sluice-lab"
 
 
 def tree_bytes(path: Path) -> int:
@@ -37,9 +41,12 @@ def measure(wheel: Path, extra: str, work: Path, baseline: int) -> dict[str, obj
     env = work / f"venv-{extra or 'base'}"
     venv.create(env, with_pip=True)
     py = str(env / "bin" / "python")
-    target = f"{wheel}[{extra}]" if extra else str(wheel)
+    if extra == LAB:
+        targets = [str(next(work.glob("sluice_lab-*.whl"))), str(wheel)]
+    else:
+        targets = [f"{wheel}[{extra}]" if extra else str(wheel)]
     t0 = time.monotonic()
-    subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", target], check=True)
+    subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", *targets], check=True)
     seconds = time.monotonic() - t0
     listed = subprocess.run(
         [py, "-m", "pip", "list", "--format", "json", "--disable-pip-version-check"],
@@ -62,14 +69,16 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="sluice-sizes-") as tmp:
         work = Path(tmp)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(work), str(REPO)], check=True
-        )
+        for source in (REPO, REPO / "lab"):
+            subprocess.run(
+                [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(work), str(source)],
+                check=True,
+            )
         wheel = next(work.glob("sluice_queue-*.whl"))
         empty = work / "venv-empty"
         venv.create(empty, with_pip=True)
         baseline = tree_bytes(site_packages(empty))
-        rows = [measure(wheel, extra, work, baseline) for extra in EXTRAS]
+        rows = [measure(wheel, extra, work, baseline) for extra in (*EXTRAS, LAB)]
     table = Table(title="What `pip install sluice-queue\\[extra]` adds to a fresh venv")
     for col in ("extra", "MiB", "packages", "install s"):
         table.add_column(col, justify="right" if col in ("MiB", "packages", "install s") else "left")
