@@ -210,6 +210,28 @@ async def test_the_sink_applies_a_batch_again_without_change(api: Running) -> No
     assert [(a["token"], a["outcome"]) for a in got["attempt_list"]] == [(1, "completed")]
 
 
+async def test_a_batch_applied_after_a_newer_one_keeps_the_state_and_still_writes_its_attempts(
+    api: Running,
+) -> None:
+    # Given a job leased and completed, whose events a dead sink had read (the lease) and a
+    # new sink applied past (the completion)
+    job = (await api.client.post("/v1/jobs", json={"type": "generic"})).json()
+    reply = await api.svc.queue.protocol.step(want=1, lease_ms=10_000, worker_id="w")
+    await api.svc.queue.protocol.step(
+        want=0, lease_ms=10_000, worker_id="w", outcomes=[(job["id"], reply.jobs[1], b"c", b'"done"', 0, -1)]
+    )
+    entries: Any = await api.svc.queue.redis.xrange(api.svc.queue.keys.events, "-", "+")
+    names = [fields[b"ev"] for _, fields in entries]
+    assert names == [b"added", b"active", b"completed"]
+    await api.sink._apply(entries[2:])
+    # When the older batch is applied late
+    await api.sink._apply(entries[:2])
+    # Then the job stays COMPLETED, and its attempt is written all the same
+    got = (await api.client.get(f"/v1/jobs/{job['id']}")).json()
+    assert (got["status"], got["result"]) == ("COMPLETED", "done")
+    assert [a["token"] for a in got["attempt_list"]] == [1]
+
+
 async def _hget_calls(api: Running) -> int:
     stats: dict[str, Any] = await api.svc.queue.redis.info("commandstats")
     return int(stats.get("cmdstat_hget", {}).get("calls", 0))

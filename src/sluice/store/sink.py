@@ -508,11 +508,14 @@ class TransitionSink:
                     "SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; "
                     "SET LOCAL enable_seqscan = off"
                 )
-                # Attempts only of the jobs whose row took the batch's events: a row that has
-                # them already has their attempts (events are applied in order), and a job
-                # the store does not hold has none.
-                moved = {r[0] for r in await raw.fetch(_UPDATE, *rows)}
-                starts, ends = _attempts([p for p in patches if p.job in moved])
+                # Attempts only of the jobs the store holds: a job added to the queue without
+                # the API has none. A row the batch did not move (it had newer events: a dead
+                # sink's batch applied late) is looked up, which a drain never needs.
+                held = {r[0] for r in await raw.fetch(_UPDATE, *rows)}
+                stale = [p.job for p in patches if p.job not in held]
+                if stale:
+                    held.update(r[0] for r in await raw.fetch(_HELD, stale))
+                starts, ends = _attempts([p for p in patches if p.job in held])
                 # Ends of attempts begun in earlier batches first: one that names no token
                 # ends the job's latest attempt, which must not yet be one this batch begins.
                 for chunk in _without_repeats(ends):
@@ -624,6 +627,7 @@ FROM unnest($1::uuid[], $2::text[], $3::int[], $4::bool[], $5::text[], $6::text[
 WHERE j.id = d.id AND (j.ev_ms, j.ev_seq) < (d.ev_ms, d.ev_seq)
 RETURNING j.id::text
 """
+_HELD = "SELECT id::text FROM job_states WHERE id = ANY($1::uuid[])"
 # An attempt written again (a batch applied twice) keeps the end it has; it takes one it lacks.
 _START = """
 INSERT INTO job_attempts (job_id, token, attempt, worker, started_at, finished_at, outcome, error)
