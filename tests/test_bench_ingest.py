@@ -24,8 +24,10 @@ from typing import Any
 
 import pytest
 
-from sluice_lab.ingest import ROUTES, body_template, judge
+from sluice_lab.ingest import judge
 from sluice_lab.ingest_load import run as run_load
+from sluice_lab.ingest_run import body_template
+from sluice_lab.ingest_spec import ROUTES
 
 INGEST_ROW = {
     "api_processes",

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice_lab.lab import Workload, max_concurrent, min_window_span, overuse_checks, overuse_figures
+from sluice_lab.lab_checks import max_concurrent, min_window_span, overuse_checks, overuse_figures
+from sluice_lab.lab_workload import Workload
 
 REFERENCE_FIELDS = {
     "workload": {"loadJobs", "workerProcesses", "globalConcurrency", "rateLimitMax", "rateLimitDurationMs"},

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sluice_lab.deps import require
-from sluice_lab.ingest import TARGET_DRAIN_RATIO, TARGET_P95_MS, TARGET_RATE
+from sluice_lab.ingest_spec import TARGET_DRAIN_RATIO, TARGET_P95_MS, TARGET_RATE
 
 _COLORS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9")
 

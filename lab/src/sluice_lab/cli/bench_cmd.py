@@ -418,17 +418,11 @@ def ingest(
     and a drain by worker processes with the API's sink keeping the store up
     to date, against the same jobs drained by the engine alone.
     """
+    from sluice_lab.bench_database import BenchDatabase, bench_database
     from sluice_lab.common import bench_redis, machine_meta
-    from sluice_lab.ingest import (
-        DEFAULT_API_PROCESSES,
-        DEFAULT_RACES,
-        DEFAULT_RATES,
-        BenchDatabase,
-        IngestSpec,
-        bench_database,
-        run_ingest,
-    )
+    from sluice_lab.ingest import run_ingest
     from sluice_lab.ingest_report import drain_table, ingest_table, race_table, targets_table, write_plot
+    from sluice_lab.ingest_spec import DEFAULT_API_PROCESSES, DEFAULT_RACES, DEFAULT_RATES, IngestSpec
 
     try:
         spec = IngestSpec(

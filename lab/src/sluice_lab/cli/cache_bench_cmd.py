@@ -58,8 +58,8 @@ def cache(
     narrowed), with the embedder's share apart and the index's recall.
     """
     from sluice.store.database import Database, redact_url
+    from sluice_lab.bench_database import bench_database
     from sluice_lab.cache_bench import CacheBenchSpec, run_cache_bench
-    from sluice_lab.ingest import bench_database
 
     try:
         spec = CacheBenchSpec(

@@ -68,8 +68,9 @@ def lab(
     from sluice_lab.burst_report import find_bursts
     from sluice_lab.cli.bench_cmd import progress_bar
     from sluice_lab.common import bench_redis, machine_meta
-    from sluice_lab.lab import MODES, Workload, run_mode
+    from sluice_lab.lab import MODES, run_mode
     from sluice_lab.lab_report import lab_table, throttle_table, write_report
+    from sluice_lab.lab_workload import Workload
 
     modes = list(MODES) if mode is LabMode.compare else [mode.value]
     workload = Workload()
