@@ -1,13 +1,13 @@
 """Looking after a queue: counts, listings, live workers and the dead-letter queue.
 
-Mixed into :class:`~sluice.engine.queue.Queue`, beside the producer calls
-(queue.py) and the flow controls (flow.py); the worker protocol lives apart
-(protocol.py), since only workers speak it.
+A part of a queue (core.py), whose calls :class:`~sluice.engine.queue.Queue`
+offers beside the producer's (queue.py) and the flow controls (flow.py); the
+worker protocol lives apart (protocol.py), since only workers speak it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +33,8 @@ from sluice.errors import InvalidJobError, JobNotFound, JobStateError
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-    from sluice.engine.keys import QueueKeys
-    from sluice.engine.scripts import Scripts
+    from sluice.engine.core import QueueCore
+    from sluice.engine.records import JobRecords
 
 #: Cumulative counters of the ``stats`` hash, in the order ``counts()`` gives them.
 #: How long a heartbeat without an entry in the alive set (an older worker's) counts.
@@ -123,17 +123,18 @@ class WorkerInfo:
 
 
 class QueueAdmin:
-    """Queue methods for operators and dashboards (mixed into :class:`Queue`)."""
+    """A queue's calls for operators and dashboards (offered by :class:`Queue`)."""
 
-    redis: Redis
-    keys: QueueKeys
-    scripts: Scripts
-    events_maxlen: int
+    def __init__(self, core: QueueCore, records: JobRecords) -> None:
+        self.keys = core.keys
+        self.scripts = core.scripts
+        self.events_maxlen = core.events_maxlen
+        self._core = core
+        self._records = records
 
-    if TYPE_CHECKING:  # provided by Queue
-
-        async def get_jobs(self, job_ids: Sequence[str]) -> list[JobRecord | None]: ...
-        async def job_state(self, job_id: str) -> JobState | None: ...
+    @property
+    def redis(self) -> Redis:
+        return self._core.redis
 
     @reads
     async def counts(self) -> dict[str, int]:
@@ -314,7 +315,7 @@ class QueueAdmin:
     async def dead_letters(self, offset: int = 0, limit: int = 100) -> list[JobRecord]:
         """Dead-lettered jobs, oldest first, with their last error."""
         ids = await self.ids(JobState.DEAD, offset, limit)
-        return [r for r in await self.get_jobs(ids) if r is not None]
+        return [r for r in await self._records.get_jobs(ids) if r is not None]
 
     @writes
     async def redrive(self, job_ids: Iterable[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from sluice.settings import DEFAULT_RESERVATION_HOLD
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-    from sluice.engine.queue import Queue
+    from sluice.engine.core import QueueCore
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 _RID = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
@@ -276,13 +276,13 @@ class Budgets:
     them out otherwise.
     """
 
-    def __init__(self, queue: Queue) -> None:
-        self._queue = queue
-        self._keys = queue.keys
+    def __init__(self, core: QueueCore) -> None:
+        self._core = core
+        self._keys = core.keys
 
     @property
     def redis(self) -> Redis:
-        return self._queue.redis
+        return self._core.redis
 
     @writes
     async def create(
@@ -401,7 +401,7 @@ class Budgets:
         for name in names:
             if not is_rate_budget(name):  # the token-rate windows' budgets, named '#...'
                 check_budget_name(name)
-        raw = await self._queue.scripts.budget_read(keys=self._keys.flow, args=[script_now(now), *names])
+        raw = await self._core.scripts.budget_read(keys=self._keys.flow, args=[script_now(now), *names])
         return [_state(name, raw[i * 14 : (i + 1) * 14]) for i, name in enumerate(names)]
 
     @reads
@@ -410,7 +410,7 @@ class Budgets:
         somewhere that outlives Redis; :meth:`restore` makes one again from its copy."""
         if not names:
             return []
-        at = await queue_now_ms(self._queue)
+        at = await queue_now_ms(self._core)
         states = await self._states(names, at)
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in names:
@@ -449,7 +449,7 @@ class Budgets:
         parent before its children (BudgetNotFound names a missing parent).
         """
         check_budget_name(copy.name)
-        code = await self._queue.scripts.budget_restore(
+        code = await self._core.scripts.budget_restore(
             keys=self._keys.flow,
             args=[
                 script_now(now),
@@ -502,7 +502,7 @@ class Budgets:
         check_reservation_id(reservation_id)
         if isinstance(hold, bool) or not isinstance(hold, int | float) or not 1 <= hold <= MAX_HOLD:
             raise BudgetError(f"hold must be from 1 to {MAX_HOLD:g} seconds, got {hold!r}")
-        code, remaining, refusing = await self._queue.scripts.reserve(
+        code, remaining, refusing = await self._core.scripts.reserve(
             keys=[*self._keys.flow, self._keys.held],
             args=[script_now(now), name, tokens, _stored(reservation_id), job_id, round(hold * 1000)],
         )
@@ -547,7 +547,7 @@ class Budgets:
         check_reservation_id(reservation_id)
         prefix = self._keys.reservation_prefix
         for key in (prefix + _stored(reservation_id), prefix + reservation_id):
-            raw: dict[bytes, bytes] = await self._queue.redis.hgetall(key)  # type: ignore[assignment]
+            raw: dict[bytes, bytes] = await self._core.redis.hgetall(key)  # type: ignore[assignment]
             if raw:
                 return {k.decode(): v.decode() for k, v in raw.items()}
         return None
@@ -622,7 +622,7 @@ class Budgets:
                     "refund=True needs the ids of the holds to refund; expired holds are unknown outcomes"
                 )
             while True:
-                raw = await self._queue.scripts.sweep(keys=keys, args=[at, "unknown"])
+                raw = await self._core.scripts.sweep(keys=keys, args=[at, "unknown"])
                 out += _settlements(raw)
                 if len(raw) < 4 * SWEEP_MAX:
                     return out
@@ -631,15 +631,15 @@ class Budgets:
         how = "refund" if refund else "unknown"
         for i in range(0, len(ids), SWEEP_MAX):
             chunk = [_stored(rid) for rid in ids[i : i + SWEEP_MAX]]
-            out += _settlements(await self._queue.scripts.sweep(keys=keys, args=[at, how, *chunk]))
+            out += _settlements(await self._core.scripts.sweep(keys=keys, args=[at, how, *chunk]))
         return out
 
     async def _settle(self, rid: str, how: str, tokens: int, now: int | None) -> Settlement:
         check_reservation_id(rid)
         at = script_now(now)
-        state, changed, charged, beyond = await self._queue.scripts.settle(
+        state, changed, charged, beyond = await self._core.scripts.settle(
             keys=[*self._keys.flow, self._keys.wake, self._keys.events, self._keys.held],
-            args=[at, _stored(rid), how, tokens, self._queue.events_maxlen],
+            args=[at, _stored(rid), how, tokens, self._core.events_maxlen],
         )
         return Settlement(rid, state.decode(), bool(changed), int(charged), int(beyond))
 
@@ -679,7 +679,7 @@ class Budgets:
         op_id: str = "",
     ) -> list[Any]:
         k = self._keys
-        q = self._queue
+        q = self._core
         at = script_now(now)
         reply: list[Any] = await q.scripts.budget_put(
             keys=[*k.flow, k.waiting, k.wake, k.job_prefix, k.events, k.budget_ops_prefix],

@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 
 
 class QueueLike(Protocol):
-    """What :func:`queue_now_ms` needs of a queue."""
+    """What :func:`queue_now_ms` needs of a queue (or of its core)."""
 
-    scripts: Scripts
-    keys: QueueKeys
+    @property
+    def scripts(self) -> Scripts: ...
+    @property
+    def keys(self) -> QueueKeys: ...
 
 
 _test_clock: Callable[[], int] | None = None

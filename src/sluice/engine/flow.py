@@ -32,8 +32,7 @@ from sluice.errors import ConfigurationError
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-    from sluice.engine.keys import QueueKeys
-    from sluice.engine.scripts import Scripts
+    from sluice.engine.core import QueueCore
 
 
 #: The pacer's tolerance unless set (ms; the dispatch script has the same default).
@@ -136,15 +135,20 @@ def pace_factor(control: dict[str, str], now: int) -> int:
 
 
 class FlowControl:
-    """Queue methods that set the shared gates (mixed into :class:`Queue`)."""
+    """A queue's calls that set the shared gates (offered by :class:`Queue`)."""
 
-    redis: Redis
-    keys: QueueKeys
-    budgets: Budgets
-    scripts: Scripts
+    def __init__(self, core: QueueCore, budgets: Budgets) -> None:
+        self.keys = core.keys
+        self.scripts = core.scripts
+        self.budgets = budgets
+        self._core = core
+
+    @property
+    def redis(self) -> Redis:
+        return self._core.redis
 
     async def _wake(self) -> None:
-        await self.redis.zadd(self.keys.wake, {"w": 0})
+        await self._core.wake()
 
     @writes
     async def set_global_concurrency(self, limit: int | None) -> None:

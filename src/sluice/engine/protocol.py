@@ -21,7 +21,7 @@ from sluice.engine.transport import writes
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-    from sluice.engine.queue import Queue
+    from sluice.engine.core import QueueCore
 
 #: One finished attempt as the worker reports it:
 #: (job id, token, kind, value, retry in ms from now (kind b"f"), tokens used or -1).
@@ -60,13 +60,13 @@ class StepReply(NamedTuple):
 class WorkerProtocol:
     """The worker's side of one queue: ``queue.protocol``."""
 
-    def __init__(self, queue: Queue) -> None:
-        self._queue = queue
-        self.keys = queue.keys
+    def __init__(self, core: QueueCore) -> None:
+        self._core = core
+        self.keys = core.keys
 
     @property
     def redis(self) -> Redis:
-        return self._queue.redis
+        return self._core.redis
 
     @writes
     async def step(
@@ -98,7 +98,7 @@ class WorkerProtocol:
             outcomes=outcomes,
             request_id=request_id,
         )
-        return StepReply.parse(await self._queue.scripts.dispatch(keys=keys, args=args))
+        return StepReply.parse(await self._core.scripts.dispatch(keys=keys, args=args))
 
     def step_command(
         self,
@@ -119,7 +119,7 @@ class WorkerProtocol:
         answered from what it did the first time instead of being run twice.
         """
         k = self.keys
-        q = self._queue
+        q = self._core
         keys = [k.waiting, k.delayed, k.active, k.events, k.stats, k.wake, k.job_prefix, k.dead, *k.flow]
         keys += (k.calls, k.epoch, k.retention, k.finished_prefix)
         args: list[Any] = [
@@ -153,13 +153,13 @@ class WorkerProtocol:
         args: list[Any] = [_clock(now), lease_ms]
         for job_id, token in leases:
             args += (job_id, token)
-        return list(await self._queue.scripts.extend(keys=keys, args=args))
+        return list(await self._core.scripts.extend(keys=keys, args=args))
 
     @writes
     async def reap(self, *, now: int | None = None, limit: int = 200) -> tuple[int, int]:
         """Return expired leases to waiting (or dead); returns (returned, dead-lettered)."""
         k = self.keys
-        q = self._queue
+        q = self._core
         back, dead = await q.scripts.reap(
             keys=[
                 k.active,
@@ -182,7 +182,7 @@ class WorkerProtocol:
         """Forget up to ``limit`` finished jobs past the queue's retention, oldest first;
         returns (jobs forgotten, whether more are due)."""
         k = self.keys
-        forgotten, more = await self._queue.scripts.trim(
+        forgotten, more = await self._core.scripts.trim(
             keys=[k.retention, k.finished_prefix, k.dead, k.job_prefix, k.reservation_prefix],
             args=[_clock(now), limit],
         )

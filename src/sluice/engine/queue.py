@@ -1,9 +1,11 @@
 """The producer side: add jobs, look them up, wait for their results, cancel them.
 
-:class:`Queue` also carries the operator's calls (admin.py: counts,
-listings, the dead-letter queue), the shared flow controls (flow.py) and the
-token ledger (``queue.budgets``, budgets.py). The worker protocol is
-``queue.protocol`` (protocol.py).
+:class:`Queue` is a face over parts that share one core (core.py): it offers
+the operator's calls (admin.py: counts, listings, the dead-letter queue), the
+shared flow controls (flow.py), retention (retention.py) and the job records
+(records.py) as its own methods, and holds the token ledger
+(``queue.budgets``, budgets.py) and the worker protocol (``queue.protocol``,
+protocol.py), which only workers speak.
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ from sluice.engine.budgets import Budgets
 from sluice.engine.clock import script_now
 from sluice.engine.codec import JSONValue, decode, encode_limited
 from sluice.engine.connection import adopt, blocking_client, connect
+from sluice.engine.core import QueueCore
 from sluice.engine.events import Event, ResultWaiter, follow
 from sluice.engine.eviction import warn_if_evicting
 from sluice.engine.flow import FlowControl
 from sluice.engine.job import JobRecord, JobSpec, JobState
 from sluice.engine.keys import QueueKeys, check_caller_id, check_job_id
+from sluice.engine.parts import part_method
 from sluice.engine.protocol import WorkerProtocol
+from sluice.engine.records import JobRecords
 from sluice.engine.retention import QueueRetention, refuse_keep_finished
 from sluice.engine.scripts import Scripts
-from sluice.engine.transport import reads, reads_once, reads_stream, writes
+from sluice.engine.transport import reads_once, reads_stream, writes
 from sluice.errors import (
     BudgetNotFound,
     InvalidJobError,
@@ -97,10 +102,12 @@ class Job:
         return await self.queue.cancel(self.id)
 
 
-class Queue(QueueAdmin, FlowControl, QueueRetention):
+class Queue:
     """One named queue on one Redis: the producer API, the operator's calls
     (:class:`~sluice.engine.admin.QueueAdmin`), its flow controls
-    (:class:`~sluice.engine.flow.FlowControl`) and its token ledger (``queue.budgets``).
+    (:class:`~sluice.engine.flow.FlowControl`), its retention
+    (:class:`~sluice.engine.retention.QueueRetention`) and its token ledger
+    (``queue.budgets``).
 
     ``redis`` is an asyncio client that the queue uses but does not own (close
     it yourself), or use :meth:`from_url`, which owns its client. For a Redis
@@ -137,10 +144,26 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
         self.events_maxlen = events_maxlen
         self.event_result_max_bytes = event_result_max_bytes
         self.scripts = Scripts(self.redis)
+        #: what every part shares, built once (see sluice.engine.core)
+        self.core = core = QueueCore(
+            name,
+            prefix,
+            self.keys,
+            self.redis,
+            self.scripts,
+            self.max_payload_bytes,
+            self.idempotency_ttl_ms,
+            self.events_maxlen,
+            self.event_result_max_bytes,
+        )
         #: the token ledger of this queue (see sluice.engine.budgets)
-        self.budgets = Budgets(self)
+        self.budgets = Budgets(core)
         #: the calls workers make (see sluice.engine.protocol)
-        self.protocol = WorkerProtocol(self)
+        self.protocol = WorkerProtocol(core)
+        self._records = JobRecords(core)
+        self._admin = QueueAdmin(core, self._records)
+        self._flow = FlowControl(core, self.budgets)
+        self._retention = QueueRetention(core)
         self._owns_redis = False
         self._blocking: Redis | None = None
         self._waiter: ResultWaiter | None = None
@@ -336,34 +359,9 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
         self._check_id(job_id)
         return Job(self, job_id)
 
-    @reads
-    async def get_job(self, job_id: str) -> JobRecord | None:
-        """The parsed record of one job, or None if it does not exist (any more)."""
-        self._check_id(job_id)
-        raw: dict[bytes, bytes] = await self.redis.hgetall(self.keys.job(job_id))  # type: ignore[assignment]
-        if not raw:
-            return None
-        return JobRecord.from_hash(job_id, raw, self.keys.idem_prefix)
-
-    @reads
-    async def get_jobs(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
-        """Many records in one round trip (a pipeline), in the order asked."""
-        for job_id in job_ids:
-            self._check_id(job_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job_id in job_ids:
-                pipe.hgetall(self.keys.job(job_id))
-            raws = await pipe.execute()
-        return [
-            JobRecord.from_hash(i, raw, self.keys.idem_prefix) if raw else None
-            for i, raw in zip(job_ids, raws, strict=True)
-        ]
-
-    @reads
-    async def job_state(self, job_id: str) -> JobState | None:
-        self._check_id(job_id)
-        raw: bytes | None = await self.redis.hget(self.keys.job(job_id), "state")  # type: ignore[assignment]
-        return JobState(raw.decode()) if raw else None
+    get_job = part_method("_records", JobRecords.get_job)
+    get_jobs = part_method("_records", JobRecords.get_jobs)
+    job_state = part_method("_records", JobRecords.job_state)
 
     # ---- results ---------------------------------------------------------------
     @reads_once
@@ -428,6 +426,30 @@ class Queue(QueueAdmin, FlowControl, QueueRetention):
                 yield event
         finally:
             await blocking.aclose()
+
+    # ---- the operator's calls, the shared gates and retention: the parts' (core.py) ------
+    counts = part_method("_admin", QueueAdmin.counts)
+    ids = part_method("_admin", QueueAdmin.ids)
+    workers = part_method("_admin", QueueAdmin.workers)
+    latency = part_method("_admin", QueueAdmin.latency)
+    latency_series = part_method("_admin", QueueAdmin.latency_series)
+    refusals = part_method("_admin", QueueAdmin.refusals)
+    latency_totals = part_method("_admin", QueueAdmin.latency_totals)
+    dead_letters = part_method("_admin", QueueAdmin.dead_letters)
+    redrive = part_method("_admin", QueueAdmin.redrive)
+    purge_dead = part_method("_admin", QueueAdmin.purge_dead)
+    set_global_concurrency = part_method("_flow", FlowControl.set_global_concurrency)
+    set_rate_limit = part_method("_flow", FlowControl.set_rate_limit)
+    set_token_rate_limit = part_method("_flow", FlowControl.set_token_rate_limit)
+    set_limits = part_method("_flow", FlowControl.set_limits)
+    set_pacing = part_method("_flow", FlowControl.set_pacing)
+    follow_provider = part_method("_flow", FlowControl.follow_provider)
+    pause = part_method("_flow", FlowControl.pause)
+    resume = part_method("_flow", FlowControl.resume)
+    throttle = part_method("_flow", FlowControl.throttle)
+    flow = part_method("_flow", FlowControl.flow)
+    retention = part_method("_retention", QueueRetention.retention)
+    set_retention = part_method("_retention", QueueRetention.set_retention)
 
     # ---- changing jobs -------------------------------------------------------------
     @writes

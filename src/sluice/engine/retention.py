@@ -38,8 +38,7 @@ from sluice.errors import ConfigurationError
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
-    from sluice.engine.keys import QueueKeys
-    from sluice.engine.scripts import Scripts
+    from sluice.engine.core import QueueCore
 
 #: The kinds of ending that are kept, in the order the settings are listed.
 KINDS: Final = ("completed", "dead", "cancelled", "rejected", "exhausted")
@@ -111,11 +110,16 @@ def refuse_keep_finished(keep_finished: object) -> None:
 
 
 class QueueRetention:
-    """The retention calls of a queue (mixed into :class:`~sluice.engine.queue.Queue`)."""
+    """The retention calls of a queue (offered by :class:`~sluice.engine.queue.Queue`)."""
 
-    keys: QueueKeys
-    redis: Redis
-    scripts: Scripts
+    def __init__(self, core: QueueCore) -> None:
+        self.keys = core.keys
+        self.scripts = core.scripts
+        self._core = core
+
+    @property
+    def redis(self) -> Redis:
+        return self._core.redis
 
     @reads
     async def retention(self) -> dict[str, Retention]:
