@@ -35,7 +35,7 @@ from sluice.llm.analysis import (
 from sluice.llm.provider import Completion, Embeddings, Message, Provider, ProviderRejected, Usage
 from sluice.llm.tokens import count_prompt_tokens
 from sluice.service.handlers import service_worker
-from sluice.store.jobs import NewJob
+from sluice.store.job import NewJob
 from sluice.store.patterns import (
     ADVICE,
     ANALYSIS_JOB_TYPE,

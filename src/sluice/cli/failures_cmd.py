@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from sluice.engine import Queue
     from sluice.llm.analysis import AnalysisRequest
     from sluice.store.database import Database
-    from sluice.store.jobs import StoredJob
+    from sluice.store.job import StoredJob
     from sluice.store.patterns import Pattern
 
 T = TypeVar("T")

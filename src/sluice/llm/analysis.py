@@ -47,7 +47,7 @@ from sluice.engine.backoff import DEFAULT_BACKOFF
 from sluice.errors import ConfigurationError, MissingExtra, PermanentError, RedisUnavailable, SluiceError
 from sluice.llm.provider import Message, Provider, complete_observed
 from sluice.llm.tokens import count_prompt_tokens, estimate_prompt_tokens, reservation
-from sluice.store.jobs import NewJob, StoredJob
+from sluice.store.job import NewJob, StoredJob
 from sluice.store.patterns import ANALYSIS_JOB_TYPE, MAX_MESSAGE, Pattern, PatternStore, advice
 
 if TYPE_CHECKING:

@@ -65,7 +65,7 @@ import orjson
 from sqlalchemy import Select, select, text, tuple_, update
 
 from sluice.errors import InvalidJobError
-from sluice.store.jobs import StoredJob
+from sluice.store.job import StoredJob
 from sluice.store.schema import FailurePatternJobRow, FailurePatternRow, JobRow, JobStateRow
 
 if TYPE_CHECKING:
