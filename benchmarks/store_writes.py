@@ -46,13 +46,13 @@ from sqlalchemy.engine import make_url
 
 from sluice.local.postgres import EmbeddedPostgres
 from sluice.store.database import Database, redact_url
-from sluice.store.sink import _START, _UPDATE
+from sluice.store.patches import _START, _UPDATE
 
 VARIANTS = ("as built", "wide jobs", "attempts FK", "no attempts")
 #: The schema each variant starts from (a migration's revision).
 _REVISION = {"wide jobs": "0007", "attempts FK": "0007"}
 
-# The sink's planner settings (sink.py says why).
+# The sink's planner settings (store/patches.py says why).
 _PLAN = "SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; SET LOCAL enable_seqscan = off"
 _FK = (
     "ALTER TABLE job_attempts ADD CONSTRAINT fk_job_attempts_job_id_jobs "

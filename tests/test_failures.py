@@ -35,18 +35,11 @@ from sluice.llm.analysis import (
 from sluice.llm.provider import Completion, Embeddings, Message, Provider, ProviderRejected, Usage
 from sluice.llm.tokens import count_prompt_tokens
 from sluice.service.handlers import service_worker
-from sluice.store.jobs import NewJob
-from sluice.store.patterns import (
-    ADVICE,
-    ANALYSIS_JOB_TYPE,
-    Category,
-    PatternCollector,
-    PatternStore,
-    classify,
-    error_head,
-    fingerprint,
-    pattern_jobs_query,
-)
+from sluice.store.categories import ADVICE, Category, classify
+from sluice.store.collector import PatternCollector
+from sluice.store.fingerprints import error_head, fingerprint
+from sluice.store.job import NewJob
+from sluice.store.patterns import ANALYSIS_JOB_TYPE, PatternStore, pattern_jobs_query
 from sluice.store.schema import FailurePatternRow, JobRow, JobStateRow
 from tests.conftest import eventually, running
 from tests.service_harness import Running, running_service

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from sluice.engine import Queue
     from sluice.llm.analysis import AnalysisRequest
     from sluice.store.database import Database
-    from sluice.store.jobs import StoredJob
+    from sluice.store.job import StoredJob
     from sluice.store.patterns import Pattern
 
 T = TypeVar("T")
@@ -123,7 +123,9 @@ def failures_patterns(
 ) -> None:
     """A tenant's failure patterns, with counts, first and last seen, category and analysis."""
     _service_modules()
-    from sluice.store.patterns import SORTS, Category, PatternCollector, PatternStore
+    from sluice.store.categories import Category
+    from sluice.store.collector import PatternCollector
+    from sluice.store.patterns import SORTS, PatternStore
 
     if sort not in SORTS:
         raise typer.BadParameter(f"use one of {', '.join(SORTS)}, got {sort!r}", param_hint="--sort")

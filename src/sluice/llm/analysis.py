@@ -1,6 +1,6 @@
 """The optional LLM explanation of a failure pattern: a job on the queue, under a budget.
 
-The rules of ``store/patterns.py`` say what kind of failure a pattern is and
+The rules of ``store/categories.py`` say what kind of failure a pattern is and
 what to do about that kind; an LLM can say more about the one at hand (the
 likely root cause, the fix). It runs as a job of type ``failure-analysis``
 on the same queue as everything else, so it takes its turn, is retried,
@@ -47,8 +47,10 @@ from sluice.engine.backoff import DEFAULT_BACKOFF
 from sluice.errors import ConfigurationError, MissingExtra, PermanentError, RedisUnavailable, SluiceError
 from sluice.llm.provider import Message, Provider, complete_observed
 from sluice.llm.tokens import count_prompt_tokens, estimate_prompt_tokens, reservation
-from sluice.store.jobs import NewJob, StoredJob
-from sluice.store.patterns import ANALYSIS_JOB_TYPE, MAX_MESSAGE, Pattern, PatternStore, advice
+from sluice.store.categories import advice
+from sluice.store.fingerprints import MAX_MESSAGE
+from sluice.store.job import NewJob, StoredJob
+from sluice.store.patterns import ANALYSIS_JOB_TYPE, Pattern, PatternStore
 
 if TYPE_CHECKING:
     from sluice.engine.context import JobContext

@@ -46,11 +46,11 @@ from sluice.service.routes_live import router as live_router
 from sluice.service.routes_stats import router as stats_router
 from sluice.service.routes_v1 import router as v1_router
 from sluice.service.submit import Intake, enqueue
+from sluice.store.collector import PatternCollector
 from sluice.store.database import Database
 from sluice.store.jobs import JobStore
 from sluice.store.keys import KeyStore
 from sluice.store.ledger import BudgetLedger
-from sluice.store.patterns import PatternCollector
 from sluice.store.reconcile import Reconciler
 from sluice.store.sink import TransitionSink
 

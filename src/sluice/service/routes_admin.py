@@ -23,7 +23,8 @@ from sluice.service.context import AdminDep, CallerDep, ServicesDep
 from sluice.service.errors import ApiError, responses
 from sluice.service.routes_v1 import job_out
 from sluice.service.schemas import BUDGET_NAME, BudgetName, Float, Int, JobsOut, _Strict, json_number
-from sluice.store.jobs import MAX_PAGE, StoredJob
+from sluice.store.job import StoredJob
+from sluice.store.jobs import MAX_PAGE
 
 router = APIRouter(prefix="/v1", tags=["operations"], responses=responses(401, 403, 413, 429, 503))
 

@@ -26,7 +26,7 @@ from sluice.service.errors import ApiError, responses
 from sluice.service.metrics import exposition, wants_prometheus
 from sluice.service.schemas import ArqDeadTask, ArqEnqueued, ArqTaskIn, MetricsOut, PressureOut
 from sluice.service.submit import backoff_json
-from sluice.store.jobs import NewJob
+from sluice.store.job import NewJob
 
 router = APIRouter(tags=["compatibility: ArQueue"], responses=responses(401, 429, 503))
 

@@ -16,7 +16,7 @@ from sluice.service.errors import ApiError, responses
 from sluice.service.routes_v1 import parse_id
 from sluice.service.schemas import NestJobIn, NestJobOut
 from sluice.service.submit import NEST_BACKOFF, backoff_json
-from sluice.store.jobs import NewJob, StoredJob
+from sluice.store.job import NewJob, StoredJob
 
 NEST_BACKOFF_JSON = backoff_json(NEST_BACKOFF)
 

@@ -23,17 +23,11 @@ from sluice.service.context import AdminDep, AdmittedDep, CallerDep, Services, S
 from sluice.service.errors import ApiError, responses
 from sluice.service.routes_v1 import job_out, parse_id
 from sluice.service.schemas import JobOut
+from sluice.store.categories import Category, advice, classify
+from sluice.store.collector import COUNTED
+from sluice.store.fingerprints import fingerprint
 from sluice.store.jobs import MAX_PAGE
-from sluice.store.patterns import (
-    COUNTED,
-    AnalysisState,
-    Category,
-    Pattern,
-    PatternStore,
-    advice,
-    classify,
-    fingerprint,
-)
+from sluice.store.patterns import AnalysisState, Pattern, PatternStore
 
 router = APIRouter(prefix="/v1/failures", tags=["failures"], responses=responses(401, 413, 429, 503))
 arqueue_router = APIRouter(tags=["compatibility: ArQueue"], responses=responses(401, 429, 503))

@@ -12,7 +12,7 @@ from sluice.service.context import AdmittedDep, Caller, CallerDep, Services, Ser
 from sluice.service.errors import ENGINE_ERRORS, ApiError, engine_error, responses
 from sluice.service.schemas import AttemptOut, JobIn, JobOut, JobsIn, JobsOut
 from sluice.service.submit import backoff_json
-from sluice.store.jobs import FINAL, STATUSES, NewJob, StoredJob
+from sluice.store.job import FINAL, STATUSES, NewJob, StoredJob
 
 router = APIRouter(prefix="/v1", tags=["jobs"], responses=responses(401, 404, 413, 422, 429, 503))
 

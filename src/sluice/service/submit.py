@@ -32,7 +32,7 @@ from sluice.engine.job import JobSpec
 from sluice.errors import BudgetNotFound, InvalidJobError, RedisUnavailable, SluiceError, StoreUnavailable
 from sluice.llm.analysis import DEFAULT_BUDGET as ANALYSIS_BUDGET
 from sluice.store.ids import new_job_id
-from sluice.store.jobs import NewJob, StoredJob
+from sluice.store.job import NewJob, StoredJob
 from sluice.store.patterns import ANALYSIS_JOB_TYPE
 from sluice.store.sink import engine_key
 

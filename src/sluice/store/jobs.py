@@ -4,7 +4,8 @@ The API writes a job here first, then enqueues it: a job the API answered 201
 for is in PostgreSQL whatever happens to the process or to Redis next (the
 reconciler enqueues what was not). Concurrent submissions of one idempotency
 key race on a unique index, not on a read: ``INSERT ... ON CONFLICT DO
-NOTHING`` lets exactly one win, and the others read the winner's row.
+NOTHING`` lets exactly one win, and the others read the winner's row. The jobs
+themselves, as the store gives them out (:class:`StoredJob`), are ``store/job.py``'s.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import base64
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -23,210 +24,16 @@ from sqlalchemy.dialects.postgresql import insert
 
 from sluice.errors import InvalidJobError
 from sluice.store.ids import new_job_id
+from sluice.store.job import Attempt, JobRef, NewJob, StoredJob, new_stored, stored_from_record
 from sluice.store.schema import AttemptRow, JobRow, JobStateRow, LegacyIdRow
 
 if TYPE_CHECKING:
     from sluice.store.database import Database
 
-#: The statuses the API shows, in lifecycle order.
-STATUSES = (
-    "QUEUED",
-    "PARKED",
-    "PROCESSING",
-    "FAILED",
-    "COMPLETED",
-    "DEAD_LETTER",
-    "CANCELLED",
-    "REJECTED",
-    "EXHAUSTED",
-)
-#: Statuses after which a job never changes again.
-FINAL = frozenset({"COMPLETED", "DEAD_LETTER", "CANCELLED", "REJECTED", "EXHAUSTED"})
 #: Most jobs one list call returns.
 MAX_PAGE = 500
-#: The integers the engine's JSON (orjson) carries: int64 and uint64.
-_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
-
-
-def _as_sent(value: Any) -> Any:
-    """A JSON value read back from jsonb, with its big numbers as they were sent.
-
-    jsonb keeps a number's value, not its spelling: ``4.5e23`` comes back as
-    ``450000000000000000000000``, an integer no 64-bit type holds, which the
-    engine cannot encode (the job would be stored and never enqueued). The API
-    takes no integer that large, so such a number was a float, and is one again.
-    Unchanged values are returned as they are (no copy).
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if _INT_MIN <= value <= _INT_MAX else float(value)
-    if isinstance(value, dict):
-        items = {k: _as_sent(v) for k, v in value.items()}
-        return value if all(items[k] is v for k, v in value.items()) else items
-    if isinstance(value, list):
-        elements = [_as_sent(v) for v in value]
-        return value if all(a is b for a, b in zip(elements, value, strict=True)) else elements
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class NewJob:
-    """What the API accepted, before it is stored."""
-
-    tenant: str
-    queue: str
-    type: str
-    payload: Any
-    priority: int
-    max_attempts: int
-    backoff: list[Any]
-    delay_ms: int = 0
-    idempotency_key: str | None = None
-    correlation_id: str | None = None
-    tokens: int = 0
-    budget: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    token: int
-    attempt: int
-    worker: str | None
-    started_at: datetime
-    finished_at: datetime | None
-    outcome: str | None
-    error: str | None
-
-
 #: Seconds a batch's INSERT may take before the batch fails (503) and its connection is replaced.
 WRITE_TIMEOUT = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class JobRef:
-    """A job's id and last update: what the reconciler pages through."""
-
-    id: uuid.UUID
-    updated_at: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class StoredJob:
-    """A job as the store holds it."""
-
-    id: uuid.UUID
-    tenant: str
-    queue: str
-    type: str
-    status: str
-    priority: int
-    attempts: int
-    max_attempts: int
-    payload: Any
-    result: Any
-    error: str | None
-    idempotency_key: str | None
-    correlation_id: str | None
-    tokens: int
-    budget: str | None
-    spent: int
-    delay_ms: int
-    backoff: list[Any]
-    created_at: datetime
-    updated_at: datetime
-    processed_at: datetime | None
-    completed_at: datetime | None
-    attempt_list: tuple[Attempt, ...] = field(default=())
-
-    @classmethod
-    def of(cls, row: JobRow, state: JobStateRow, attempts: tuple[Attempt, ...] = ()) -> StoredJob:
-        """A job from its two rows: as submitted, and where it stands."""
-        return cls(
-            id=row.id,
-            tenant=row.tenant,
-            queue=row.queue,
-            type=row.type,
-            status=state.status,
-            priority=row.priority,
-            attempts=state.attempts,
-            max_attempts=row.max_attempts,
-            payload=_as_sent(row.payload),
-            result=_as_sent(state.result),
-            error=state.error,
-            idempotency_key=row.idempotency_key,
-            correlation_id=row.correlation_id,
-            tokens=row.tokens,
-            budget=row.budget,
-            spent=row.spent,
-            delay_ms=row.delay_ms,
-            backoff=row.backoff,
-            created_at=row.created_at,
-            updated_at=state.updated_at,
-            processed_at=state.processed_at,
-            completed_at=state.completed_at,
-            attempt_list=attempts,
-        )
-
-
-def _new_stored(job_id: uuid.UUID, n: NewJob, at: datetime) -> StoredJob:
-    """The row create_many just wrote, without reading it back."""
-    return StoredJob(
-        id=job_id,
-        tenant=n.tenant,
-        queue=n.queue,
-        type=n.type,
-        status="QUEUED",
-        priority=n.priority,
-        attempts=0,
-        max_attempts=n.max_attempts,
-        payload=n.payload,
-        result=None,
-        error=None,
-        idempotency_key=n.idempotency_key,
-        correlation_id=n.correlation_id,
-        tokens=n.tokens,
-        budget=n.budget,
-        spent=0,
-        delay_ms=n.delay_ms,
-        backoff=n.backoff,
-        created_at=at,
-        updated_at=at,
-        processed_at=None,
-        completed_at=None,
-    )
-
-
-def _json(value: Any) -> Any:
-    """A jsonb column from a raw asyncpg record: text, unless the connection decodes it (the
-    SQLAlchemy dialect registers a decoder on its connections)."""
-    return orjson.loads(value) if isinstance(value, str | bytes) else value
-
-
-def _stored_from_record(r: Any) -> StoredJob:
-    """A job from an asyncpg record of its row in ``jobs`` and its state's columns (``_BY_KEYS``)."""
-    return StoredJob(
-        id=r["id"],
-        tenant=r["tenant"],
-        queue=r["queue"],
-        type=r["type"],
-        status=r["status"],
-        priority=r["priority"],
-        attempts=r["attempts"],
-        max_attempts=r["max_attempts"],
-        payload=_as_sent(_json(r["payload"])),
-        result=_as_sent(_json(r["result"])),
-        error=r["error"],
-        idempotency_key=r["idempotency_key"],
-        correlation_id=r["correlation_id"],
-        tokens=r["tokens"],
-        budget=r["budget"],
-        spent=r["spent"],
-        delay_ms=r["delay_ms"],
-        backoff=_json(r["backoff"]),
-        created_at=r["created_at"],
-        updated_at=r["updated_at"],
-        processed_at=r["processed_at"],
-        completed_at=r["completed_at"],
-    )
 
 
 # One statement for a whole batch: the rows in their order (WITH ORDINALITY), so that of two with
@@ -404,11 +211,11 @@ class JobStore:
         out: list[tuple[StoredJob, bool]] = []
         for n, job_id in zip(news, ids, strict=True):
             if job_id in inserted:
-                out.append((_new_stored(job_id, n, at), True))
+                out.append((new_stored(job_id, n, at), True))
             else:
                 first = firsts.get((n.tenant, n.idempotency_key or ""))
                 assert first is not None, "the conflicting row was committed before ON CONFLICT answered"
-                out.append((_stored_from_record(first), False))
+                out.append((stored_from_record(first), False))
         return out
 
     async def get(

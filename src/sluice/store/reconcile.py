@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
     from sluice.engine.job import JobRecord
     from sluice.engine.queue import Queue
-    from sluice.store.jobs import JobRef, JobStore, StoredJob
+    from sluice.store.job import JobRef, StoredJob
+    from sluice.store.jobs import JobStore
     from sluice.store.ledger import BudgetLedger
 
 log = logging.getLogger("sluice.store.reconcile")

@@ -254,7 +254,7 @@ class ApiKeyRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
-# ---- failure analysis (store/patterns.py) ------------------------------------------------------------------
+# ---- failure analysis (store/patterns.py, store/collector.py) ----------------------------------------------
 class FailurePatternRow(Base):
     """One failure pattern: the jobs of one tenant and queue that ended badly (dead-lettered,
     rejected, exhausted) with the same fingerprint (job type, error type, normalized message).
