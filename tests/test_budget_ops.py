@@ -14,7 +14,7 @@ from asyncio.subprocess import PIPE
 import pytest
 
 from sluice import BudgetError, BudgetNotFound, JobContext, Queue, Worker
-from sluice.engine.budgets import BudgetChange
+from sluice.engine.budget_state import BudgetChange
 from tests.conftest import eventually, running
 from tests.test_budgets import DAY_MS, T, ms
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from sluice import JobContext, JobSpec, Queue
-from sluice.engine.budgets import TOKEN_RATE_BUDGET
+from sluice.engine.budget_state import TOKEN_RATE_BUDGET
 from sluice.engine.lag import (
     LEARN_MAX_MS,
     MIN_SAMPLES,

@@ -68,7 +68,7 @@ from sluice import (
     Settlement,
 )
 from sluice.engine.backoff import DEFAULT_BACKOFF
-from sluice.engine.budgets import BudgetChange
+from sluice.engine.budget_state import BudgetChange
 from sluice.engine.clock import set_test_clock
 from sluice.engine.connection import connect
 from sluice.engine.keys import QueueKeys

@@ -18,7 +18,7 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice import ConfigurationError, JobSpec, Queue
-from sluice.engine.budgets import TOKEN_RATE_BUDGET
+from sluice.engine.budget_state import TOKEN_RATE_BUDGET
 from tests.proc_harness import WorkerProcs
 from tests.stepping import ids_of as ids
 from tests.stepping import leased, step

@@ -354,14 +354,15 @@ async def test_submissions_written_in_one_batch_keep_their_own_traces(
     traces = {f"req-{i}": f"{i + 1:032x}" for i in range(6)}
     async with running_service(redis_url, sluice_database_url, prefix, queue=QUEUE) as api:
 
-        async def send(rid: str, trace_id: str) -> None:
+        async def send(rid: str, trace_id: str) -> str:
             headers = {"traceparent": f"00-{trace_id}-{PARENT_ID}-01", "X-Request-ID": rid}
             resp = await api.client.post("/v1/jobs", json={"type": "flaky", "payload": {}}, headers=headers)
             assert resp.status_code == 201, resp.text
+            return str(resp.json()["id"])
 
-        await asyncio.gather(*(send(rid, trace_id) for rid, trace_id in traces.items()))
+        ids = await asyncio.gather(*(send(rid, trace_id) for rid, trace_id in traces.items()))
         assert api.svc.intake.batches < len(traces)  # some were written together
-        records = await api.svc.queue.get_jobs([str(i) for i in range(1, len(traces) + 1)])
+        records = await api.svc.queue.get_jobs(ids)
     seen = {}
     for record in records:
         assert record is not None and record.trace_context is not None and record.correlation_id is not None

@@ -31,7 +31,8 @@ from sluice import (
     SluiceError,
     Worker,
 )
-from sluice.engine.budgets import BudgetCopy, Budgets
+from sluice.engine.budget_state import BudgetCopy
+from sluice.engine.budgets import Budgets
 from sluice.engine.connection import connect
 from sluice.engine.protocol import WorkerProtocol
 from sluice.engine.queue import Job

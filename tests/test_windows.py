@@ -13,7 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice import ConfigurationError, JobRejected, JobSpec, JobState, Queue, RateWindow
-from sluice.engine.budgets import TOKEN_RATE_BUDGET, token_cap_budget
+from sluice.engine.budget_state import TOKEN_RATE_BUDGET, token_cap_budget
 from tests.stepping import completed, leased, step
 from tests.stepping import ids_of as ids
 from tests.test_cli import invoke

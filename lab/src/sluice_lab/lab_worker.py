@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from sluice.engine.budgets import Reservation
+from sluice.engine.budget_state import Reservation
 from sluice.engine.connection import connect
 from sluice.engine.context import JobContext
 from sluice.engine.keys import QueueKeys

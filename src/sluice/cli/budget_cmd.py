@@ -26,7 +26,7 @@ from sluice.cli.output import plain_table, print_json, span, stderr, stdout, utc
 from sluice.cli.parsing import SluiceCommand
 from sluice.cli.runtime import with_queue
 from sluice.engine import BudgetState, Queue
-from sluice.engine.budgets import BudgetChange, is_rate_budget
+from sluice.engine.budget_state import BudgetChange, is_rate_budget
 from sluice.engine.clock import now_ms
 from sluice.engine.job import MAX_TOKENS
 from sluice.errors import BudgetError, BudgetNotFound

@@ -15,7 +15,7 @@ from typing import Annotated, TypeVar
 
 import typer
 
-from sluice.engine.budgets import MAX_ROLLING_SECONDS, check_budget_name
+from sluice.engine.budget_state import MAX_ROLLING_SECONDS, check_budget_name
 from sluice.engine.keys import check_name
 from sluice.errors import BudgetError, ConfigurationError
 from sluice.settings import DEFAULT_PREFIX, DEFAULT_QUEUE, ENV_REDIS_URL

@@ -6,7 +6,8 @@ hiredis) and orjson: scripts/check holds it to that with import-linter.
 
 from sluice.engine.admin import WorkerInfo
 from sluice.engine.backoff import Backoff
-from sluice.engine.budgets import Budgets, BudgetState, Reservation, Settlement
+from sluice.engine.budget_state import BudgetState, Reservation, Settlement
+from sluice.engine.budgets import Budgets
 from sluice.engine.context import JobContext, JobLogFilter, current_job
 from sluice.engine.events import Event
 from sluice.engine.flow import FlowState

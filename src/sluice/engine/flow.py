@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sluice.engine.budgets import TOKEN_RATE_BUDGET, Budgets, BudgetState, token_cap_budget
+from sluice.engine.budget_state import TOKEN_RATE_BUDGET, BudgetState, token_cap_budget
+from sluice.engine.budgets import Budgets
 from sluice.engine.clock import queue_now_ms
 from sluice.engine.job import MAX_TOKENS
 from sluice.engine.transport import reads, writes

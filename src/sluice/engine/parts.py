@@ -8,6 +8,7 @@ calls in one place for its users, and the parts stay apart (core.py says why).
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Callable
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
@@ -31,14 +32,24 @@ class PartMethod(Generic[P, R]):
     def __get__(self, obj: object, owner: type[Any] | None = None) -> Callable[P, R]: ...
     def __get__(self, obj: object | None, owner: type[Any] | None = None) -> Any:
         if obj is None:  # Queue.counts: a function of a queue, as a method read off its class is
-            part, method = self._part, self._method
+            return self._of_queue()
+        return types.MethodType(self._method, getattr(obj, self._part))
+
+    def _of_queue(self) -> Callable[..., Any]:
+        part, method = self._part, self._method
+        if inspect.iscoroutinefunction(method):  # (so that inspect sees a coroutine function too)
 
             @functools.wraps(method)
-            def of(queue: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
-                return method(getattr(queue, part), *args, **kwargs)
+            async def coroutine(queue: Any, /, *args: Any, **kwargs: Any) -> Any:
+                return await method(getattr(queue, part), *args, **kwargs)
 
-            return of
-        return types.MethodType(self._method, getattr(obj, self._part))
+            return coroutine
+
+        @functools.wraps(method)
+        def function(queue: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return method(getattr(queue, part), *args, **kwargs)
+
+        return function
 
 
 def part_method(part: str, method: Callable[Concatenate[Any, P], R]) -> PartMethod[P, R]:

@@ -31,7 +31,7 @@ from sluice.errors import SluiceError, StoreUnavailable
 from sluice.store.schema import BudgetRow
 
 if TYPE_CHECKING:
-    from sluice.engine.budgets import BudgetState
+    from sluice.engine.budget_state import BudgetState
     from sluice.service.context import Caller, Services
 
 log = logging.getLogger("sluice.service")

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, BeforeValidator, Field
 
-from sluice.engine.budgets import MAX_ROLLING_SECONDS, BudgetState
+from sluice.engine.budget_state import MAX_ROLLING_SECONDS, BudgetState
 from sluice.engine.flow import FlowState
 from sluice.errors import BudgetExists
 from sluice.service.context import AdminDep, CallerDep, ServicesDep

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import select, text, update
 from sqlalchemy.dialects.postgresql import insert
 
-from sluice.engine.budgets import BudgetCopy
+from sluice.engine.budget_state import BudgetCopy
 from sluice.store.schema import BudgetRow
 
 if TYPE_CHECKING:
