@@ -27,14 +27,9 @@ import pytest
 from sluice.errors import ConfigurationError, PermanentError, Throttled
 from sluice.llm.anthropic import AnthropicProvider
 from sluice.llm.gemini import GeminiProvider
-from sluice.llm.http import (
-    FALLBACK_RETRY_AFTER,
-    MAX_MESSAGE_CHARS,
-    MAX_RETRY_AFTER,
-    MIN_RETRY_AFTER,
-    HTTPProvider,
-    parse_duration,
-)
+from sluice.llm.http import HTTPProvider
+from sluice.llm.keys import MAX_MESSAGE_CHARS
+from sluice.llm.limit_headers import FALLBACK_RETRY_AFTER, MAX_RETRY_AFTER, MIN_RETRY_AFTER, parse_duration
 from sluice.llm.openai import OpenAIProvider
 from sluice.llm.provider import (
     Message,

@@ -42,7 +42,7 @@ from sluice import Throttled
 from sluice.engine.connection import connect
 from sluice.engine.context import JobContext
 from sluice.engine.worker import Worker
-from sluice.llm.http import rate_limits, transit_ms
+from sluice.llm.limit_headers import rate_limits, transit_ms
 from sluice.settings import (
     ENV_GOODPUT_CLIENT,
     ENV_GOODPUT_CLIENT_LIMITS,
