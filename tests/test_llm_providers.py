@@ -43,15 +43,9 @@ from sluice.llm.provider import (
 from sluice.llm.providers import KNOWN_PROVIDERS, model_from_env, ollama_url, provider_for, provider_from_env
 from sluice.local.embedded import free_port
 from sluice.testing.llm_servers import serve_anthropic, serve_gemini
-from sluice.testing.provider import (
-    FAULTS_PATH,
-    REQUESTS_PATH,
-    ProviderLimits,
-    count_text_tokens,
-    format_duration,
-    hashed_embedding,
-    serve_provider,
-)
+from sluice.testing.provider import format_duration, serve_provider
+from sluice.testing.simulated_model import count_text_tokens, hashed_embedding
+from sluice.testing.simulated_server import FAULTS_PATH, REQUESTS_PATH, ProviderLimits
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ from redis.asyncio import Redis
 from sluice import ConfigurationError, JobContext, JobSpec, Queue
 from sluice.engine.provider_view import MAX_BATCH, LimitReport, ProviderView
 from sluice.llm.openai import OpenAIProvider
-from sluice.testing.provider import ProviderLimits, serve_provider
+from sluice.testing.provider import serve_provider
+from sluice.testing.simulated_server import ProviderLimits
 from tests.proc_harness import WorkerProcs
 from tests.stepping import ids_of as ids
 from tests.stepping import leased, step

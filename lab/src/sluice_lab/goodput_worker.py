@@ -50,7 +50,9 @@ from sluice.settings import (
     ENV_GOODPUT_REDIS,
     ENV_GOODPUT_RUNS_KEY,
 )
-from sluice.testing.provider import COMPLETIONS_PATH, REQUEST_ID_HEADER, STATS_PATH, count_prompt_tokens
+from sluice.testing.provider import COMPLETIONS_PATH, REQUEST_ID_HEADER
+from sluice.testing.simulated_model import count_prompt_tokens
+from sluice.testing.simulated_server import STATS_PATH
 from sluice_lab.goodput_limiter import ClientLimiter, ClientLimits
 
 if TYPE_CHECKING:
