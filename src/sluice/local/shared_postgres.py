@@ -42,8 +42,9 @@ from types import TracebackType
 
 from sluice.errors import ConfigurationError
 from sluice.local.embedded import pid_alive
-from sluice.local.postgres import ROOT_OS_USER, EmbeddedPostgres, ready
+from sluice.local.postgres import ROOT_OS_USER, EmbeddedPostgres
 from sluice.local.postgres_binaries import PostgresBinaries, find_binaries
+from sluice.local.postmaster import ready
 from sluice.local.shared import LOCK_TIMEOUT, ServerFolder, User, _wait_gone
 from sluice.settings import ENV_DATABASE_URL
 
