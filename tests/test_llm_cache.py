@@ -14,7 +14,9 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.errors import ConfigurationError
-from sluice.llm.cache import CachePolicy, SemanticCache, cache_scope, normalize
+from sluice.llm.cache import SemanticCache
+from sluice.llm.cache_keys import cache_scope, normalize
+from sluice.llm.cache_policy import CachePolicy
 from sluice.llm.embedder import LocalEmbedder
 from sluice.store.database import Database
 
@@ -207,7 +209,8 @@ def test_normalize_collapses_whitespace_only() -> None:
 _FLIGHT_PROCESS = """
 import asyncio, sys
 from redis.asyncio import Redis
-from sluice.llm.cache import SemanticCache, cache_scope
+from sluice.llm.cache import SemanticCache
+from sluice.llm.cache_keys import cache_scope
 from sluice.llm.embedder import LocalEmbedder
 from sluice.store.database import Database
 

@@ -14,7 +14,7 @@ import functools
 
 import pytest
 
-from sluice.llm.cache import DEFAULT_THRESHOLD
+from sluice.llm.cache_policy import DEFAULT_THRESHOLD
 from sluice.llm.guards import GUARDS
 from sluice_lab.cache_quality import Scored, guard_effect, load_pairs, rates, score
 

@@ -29,7 +29,8 @@ from sluice.llm.openai import OpenAIProvider
 from sluice.llm.pricing import to_micro_usd
 from sluice.service.handlers import service_worker
 from sluice.store.database import Database
-from sluice.testing.provider import STATS_PATH, ProviderLimits, serve_provider
+from sluice.testing.provider import serve_provider
+from sluice.testing.simulated_server import STATS_PATH, ProviderLimits
 from tests.conftest import eventually, running
 from tests.service_harness import Running, running_service
 

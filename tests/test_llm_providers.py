@@ -27,14 +27,9 @@ import pytest
 from sluice.errors import ConfigurationError, PermanentError, Throttled
 from sluice.llm.anthropic import AnthropicProvider
 from sluice.llm.gemini import GeminiProvider
-from sluice.llm.http import (
-    FALLBACK_RETRY_AFTER,
-    MAX_MESSAGE_CHARS,
-    MAX_RETRY_AFTER,
-    MIN_RETRY_AFTER,
-    HTTPProvider,
-    parse_duration,
-)
+from sluice.llm.http import HTTPProvider
+from sluice.llm.keys import MAX_MESSAGE_CHARS
+from sluice.llm.limit_headers import FALLBACK_RETRY_AFTER, MAX_RETRY_AFTER, MIN_RETRY_AFTER, parse_duration
 from sluice.llm.openai import OpenAIProvider
 from sluice.llm.provider import (
     Message,
@@ -48,15 +43,9 @@ from sluice.llm.provider import (
 from sluice.llm.providers import KNOWN_PROVIDERS, model_from_env, ollama_url, provider_for, provider_from_env
 from sluice.local.embedded import free_port
 from sluice.testing.llm_servers import serve_anthropic, serve_gemini
-from sluice.testing.provider import (
-    FAULTS_PATH,
-    REQUESTS_PATH,
-    ProviderLimits,
-    count_text_tokens,
-    format_duration,
-    hashed_embedding,
-    serve_provider,
-)
+from sluice.testing.provider import format_duration, serve_provider
+from sluice.testing.simulated_model import count_text_tokens, hashed_embedding
+from sluice.testing.simulated_server import FAULTS_PATH, REQUESTS_PATH, ProviderLimits
 
 pytestmark = pytest.mark.slow
 

@@ -283,7 +283,7 @@ def test_a_reservation_covers_the_providers_limiter_estimate_too() -> None:
     """English prose tokenizes below characters / 4, which OpenAI's limiter (and the simulated
     provider) count on arrival: the reservation takes the larger, so the queue's token window
     never admits what the provider's refuses."""
-    from sluice.testing.provider import count_prompt_tokens as provider_counts
+    from sluice.testing.simulated_model import count_prompt_tokens as provider_counts
 
     prose = "The export to CSV stops after the first page of results, every time. " * 20
     chat: list[Message] = [{"role": "user", "content": prose}]

@@ -10,16 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
-from sluice.testing.provider import (
-    ARRIVALS_PATH,
-    COMPLETIONS_PATH,
-    REQUEST_ID_HEADER,
-    STATS_PATH,
-    ProviderLimits,
-    SlidingWindow,
-    count_prompt_tokens,
-    serve_provider,
-)
+from sluice.testing.provider import COMPLETIONS_PATH, REQUEST_ID_HEADER, serve_provider
+from sluice.testing.simulated_model import count_prompt_tokens
+from sluice.testing.simulated_server import ARRIVALS_PATH, STATS_PATH, ProviderLimits
+from sluice.testing.sliding_window import SlidingWindow
 
 
 def body(max_tokens: int, content: str = "abcd" * 10) -> dict[str, Any]:

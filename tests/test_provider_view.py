@@ -18,7 +18,8 @@ from redis.asyncio import Redis
 from sluice import ConfigurationError, JobContext, JobSpec, Queue
 from sluice.engine.provider_view import MAX_BATCH, LimitReport, ProviderView
 from sluice.llm.openai import OpenAIProvider
-from sluice.testing.provider import ProviderLimits, serve_provider
+from sluice.testing.provider import serve_provider
+from sluice.testing.simulated_server import ProviderLimits
 from tests.proc_harness import WorkerProcs
 from tests.stepping import ids_of as ids
 from tests.stepping import leased, step
@@ -169,7 +170,7 @@ async def test_the_openai_provider_passes_on_the_answers_rate_limit_headers() ->
 def test_the_transit_is_the_round_trip_less_the_providers_own_time() -> None:
     import httpx
 
-    from sluice.llm.http import transit_ms
+    from sluice.llm.limit_headers import transit_ms
 
     assert transit_ms(httpx.Headers({"openai-processing-ms": "120"}), 150.5) == 30.5
     assert transit_ms(httpx.Headers({}), 150.5) is None

@@ -25,7 +25,8 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice import JobState, Queue
-from sluice.testing.provider import STATS_PATH, ProviderLimits, serve_provider
+from sluice.testing.provider import serve_provider
+from sluice.testing.simulated_server import STATS_PATH, ProviderLimits
 from tests.proc_harness import REPO
 
 SECTION = "## Flow control and budgets"

@@ -31,7 +31,8 @@ from sluice.engine.job import MAX_TRACE_CONTEXT_LENGTH, valid_trace_context
 from sluice.errors import ConfigurationError
 from sluice.llm.inference import inference_job
 from sluice.settings import ENV_REDIS_URL, Settings
-from sluice.testing.provider import FAULTS_PATH, ProviderLimits, serve_provider
+from sluice.testing.provider import serve_provider
+from sluice.testing.simulated_server import FAULTS_PATH, ProviderLimits
 from tests.otlp import Collector, Span, otlp_collector
 from tests.proc_harness import REPO
 from tests.service_harness import running_service

@@ -28,7 +28,8 @@ from sluice import Backoff, JobContext, JobState, Queue, Worker
 from sluice.engine.clock import queue_now_ms
 from sluice.engine.sketch import GAMMA, HISTOGRAM_EDGES, LatencyRecorder, histogram
 from sluice.local.embedded import free_port
-from sluice.testing.provider import ProviderLimits, serve_provider
+from sluice.testing.provider import serve_provider
+from sluice.testing.simulated_server import ProviderLimits
 from tests.conftest import eventually, running
 from tests.proc_harness import REPO, WorkerProcs, open_gate
 from tests.service_harness import Running, running_service

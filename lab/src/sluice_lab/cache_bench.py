@@ -33,7 +33,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sluice.llm.cache import DEFAULT_THRESHOLD, CachePolicy, SemanticCache, cache_scope, prompt_hash
+from sluice.llm.cache import SemanticCache
+from sluice.llm.cache_keys import cache_scope, prompt_hash
+from sluice.llm.cache_policy import DEFAULT_THRESHOLD, CachePolicy
 from sluice.llm.embedder import LocalEmbedder
 from sluice.llm.pricing import cost
 from sluice.llm.provider import Usage

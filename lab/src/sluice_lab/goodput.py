@@ -89,13 +89,9 @@ from sluice.engine.clock import now_ms
 from sluice.engine.job import JobSpec
 from sluice.engine.queue import Queue
 from sluice.testing.network import check_network_delay
-from sluice.testing.provider import (
-    ARRIVALS_PATH,
-    STATS_PATH,
-    ProviderLimits,
-    count_prompt_tokens,
-    serve_provider,
-)
+from sluice.testing.provider import serve_provider
+from sluice.testing.simulated_model import count_prompt_tokens
+from sluice.testing.simulated_server import ARRIVALS_PATH, STATS_PATH, ProviderLimits
 from sluice_lab.common import drop_queue, new_queue_name
 from sluice_lab.goodput_limiter import ClientLimits
 from sluice_lab.goodput_worker import (

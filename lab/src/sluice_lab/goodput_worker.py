@@ -42,7 +42,7 @@ from sluice import Throttled
 from sluice.engine.connection import connect
 from sluice.engine.context import JobContext
 from sluice.engine.worker import Worker
-from sluice.llm.http import rate_limits, transit_ms
+from sluice.llm.limit_headers import rate_limits, transit_ms
 from sluice.settings import (
     ENV_GOODPUT_CLIENT,
     ENV_GOODPUT_CLIENT_LIMITS,
@@ -50,7 +50,9 @@ from sluice.settings import (
     ENV_GOODPUT_REDIS,
     ENV_GOODPUT_RUNS_KEY,
 )
-from sluice.testing.provider import COMPLETIONS_PATH, REQUEST_ID_HEADER, STATS_PATH, count_prompt_tokens
+from sluice.testing.provider import COMPLETIONS_PATH, REQUEST_ID_HEADER
+from sluice.testing.simulated_model import count_prompt_tokens
+from sluice.testing.simulated_server import STATS_PATH
 from sluice_lab.goodput_limiter import ClientLimiter, ClientLimits
 
 if TYPE_CHECKING:

@@ -13,7 +13,8 @@ from typing import Any
 
 import httpx
 
-from sluice.llm.http import DEFAULT_MAX_CONNECTIONS, HTTPProvider, check_base_url, cost_of, read_key
+from sluice.llm.http import DEFAULT_MAX_CONNECTIONS, HTTPProvider, check_base_url, cost_of
+from sluice.llm.keys import read_key
 from sluice.llm.provider import Completion, Embeddings, Message, ProviderRejected, Usage
 from sluice.settings import environment
 

@@ -38,8 +38,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import math
-import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -51,7 +49,8 @@ import orjson
 
 from sluice.errors import ConfigurationError
 from sluice.llm import guards
-from sluice.settings import environment
+from sluice.llm.cache_keys import cache_scope, prompt_hash
+from sluice.llm.cache_policy import CachePolicy
 from sluice.store.database import HNSW_EF_SEARCH
 
 if TYPE_CHECKING:
@@ -62,66 +61,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.llm.cache")
 
-#: The issue's defaults, and ArQueue's variable names for them.
-DEFAULT_THRESHOLD = 0.92
-DEFAULT_TTL_MS = 24 * 3600 * 1000
-ENV_THRESHOLD = ("SLUICE_CACHE_SIMILARITY_THRESHOLD", "CACHE_SIMILARITY_THRESHOLD")
-ENV_TTL_MS = ("SLUICE_CACHE_TTL_MS", "CACHE_TTL_MS")
+# CachePolicy and cache_scope are cache_policy's and cache_keys': llm-inference imports them from here.
+__all__ = ["EF_SEARCH", "CacheHit", "CachePolicy", "Judge", "Lookup", "SemanticCache", "cache_scope"]
+
 #: HNSW candidates examined per lookup (pgvector's ``hnsw.ef_search``, set on the connections
 #: of ``Database.raw_pool``): pgvector 0.6 filters by tenant and scope after the index scan, so
 #: a larger list finds a scope's entries among other scopes' more often. Small scopes are read
 #: exactly instead (the planner's choice).
 EF_SEARCH = HNSW_EF_SEARCH
-_WHITESPACE = re.compile(r"\s+")
 
 Judge = Callable[[str, str], Awaitable[bool]]
-
-
-@dataclass(frozen=True, slots=True)
-class CachePolicy:
-    """How the cache answers. ``threshold``: the least cosine similarity of a hit.
-    ``guards``: veto hits whose prompts differ in a fact (on by default; off only to measure).
-    ``judge_margin``: with a judge, candidates within this much below the threshold are
-    put to it. ``flight_wait``: seconds a caller waits for another process's identical call
-    before making its own."""
-
-    threshold: float = DEFAULT_THRESHOLD
-    ttl_ms: int = DEFAULT_TTL_MS
-    guards: bool = True
-    candidates: int = 5
-    judge_margin: float = 0.05
-    flight_wait: float = 120.0
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.threshold) and 0.0 < self.threshold <= 1.0):
-            raise ConfigurationError(
-                f"the cache's similarity threshold must be in (0, 1], got {self.threshold!r}"
-            )
-        if isinstance(self.ttl_ms, bool) or not isinstance(self.ttl_ms, int) or self.ttl_ms < 1:
-            raise ConfigurationError(
-                f"the cache's TTL must be a whole number of ms >= 1, got {self.ttl_ms!r}"
-            )
-        if not 1 <= self.candidates <= 100:
-            raise ConfigurationError(f"candidates must be 1 to 100, got {self.candidates!r}")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> CachePolicy:
-        """``CACHE_SIMILARITY_THRESHOLD`` and ``CACHE_TTL_MS`` (or ``SLUICE_``-prefixed)."""
-        env = environment() if env is None else env
-        values: dict[str, Any] = {}
-        for names, key, kind in ((ENV_THRESHOLD, "threshold", float), (ENV_TTL_MS, "ttl_ms", int)):
-            for name in names:
-                raw = env.get(name)
-                if raw is None or not raw.strip():
-                    continue
-                try:
-                    values[key] = kind(raw)
-                except ValueError:
-                    raise ConfigurationError(
-                        f"{name}={raw!r} is not a {'number' if kind is float else 'whole number'}"
-                    ) from None
-                break
-        return cls(**{**values, **overrides})
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,34 +98,6 @@ class Lookup:
     #: the best candidate's similarity and the guards that vetoed it, for metrics and tests
     best_similarity: float | None = None
     vetoed_by: list[str] = field(default_factory=list)
-
-
-def normalize(prompt: str) -> str:
-    """The prompt as the exact path compares it: whitespace collapsed, nothing else (case and
-    punctuation can change an answer: "US" is not "us")."""
-    return _WHITESPACE.sub(" ", prompt).strip()
-
-
-def prompt_hash(prompt: str) -> str:
-    return hashlib.sha256(normalize(prompt).encode()).hexdigest()
-
-
-def cache_scope(
-    provider: str,
-    model: str,
-    *,
-    context: Sequence[Mapping[str, Any]] = (),
-    params: Mapping[str, Any] | None = None,
-) -> str:
-    """The partition an answer belongs to: provider, model, the messages before the prompt
-    (a system prompt changes every answer) and the generation parameters (max_tokens,
-    temperature, format...), hashed. Two requests share cache entries only if all of it is
-    equal."""
-    canonical = orjson.dumps(
-        {"provider": provider, "model": model, "context": list(context), "params": dict(params or {})},
-        option=orjson.OPT_SORT_KEYS,
-    )
-    return hashlib.sha256(canonical).hexdigest()[:32]
 
 
 def _vector_text(vector: Sequence[float]) -> str:

@@ -47,6 +47,7 @@ from sluice.local.postgres_binaries import (
     os_user,
     run_as,
 )
+from sluice.local.postmaster import group_alive, ready
 
 #: The database superuser that initdb creates (and every URL names).
 SUPERUSER = "postgres"
@@ -393,7 +394,7 @@ class EmbeddedPostgres:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 10
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
+        while group_alive(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def running(self) -> bool:
@@ -448,42 +449,6 @@ class EmbeddedPostgres:
 
 class _PortTaken(ConfigurationError):
     """The free port we picked was taken before the server bound it (we pick another)."""
-
-
-def ready(pgdata: Path, pid: int) -> bool:
-    """True once ``postmaster.pid`` in ``pgdata`` names ``pid`` and says it accepts connections.
-
-    The file, not a connection: it is there before any client could connect,
-    and the pid in it tells our server apart from another on a reused port.
-    """
-    try:
-        lines = (pgdata / "postmaster.pid").read_text().splitlines()
-    except OSError:
-        return False
-    return len(lines) >= 8 and lines[0].strip() == str(pid) and lines[7].strip() == "ready"
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a live (not zombie) process of process group ``pgid`` remains."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
 
 
 def _checked_name(name: str) -> str:

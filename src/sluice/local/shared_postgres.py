@@ -42,9 +42,10 @@ from types import TracebackType
 
 from sluice.errors import ConfigurationError
 from sluice.local.embedded import pid_alive
-from sluice.local.postgres import ROOT_OS_USER, EmbeddedPostgres, ready
+from sluice.local.postgres import ROOT_OS_USER, EmbeddedPostgres
 from sluice.local.postgres_binaries import PostgresBinaries, find_binaries
-from sluice.local.shared import LOCK_TIMEOUT, ServerFolder, User, _wait_gone
+from sluice.local.postmaster import ready
+from sluice.local.server_folder import LOCK_TIMEOUT, ServerFolder, User, _wait_gone
 from sluice.settings import ENV_DATABASE_URL
 
 #: The database the shared server's URL names (created on first start).
