@@ -11,7 +11,7 @@ The engine's behaviour is tested on a Redis Cluster too: the tests of the
 modules in ``CLUSTER_MODULES`` run a third time, on a local cluster of three
 masters (Redis 7; ``sluice_cluster``), unless they need a server of their own
 to restart or inspect (they ask for ``redis_server``) or start processes
-(marked ``slow``; tests/test_cluster.py runs processes on it). Their ids end
+(marked ``slow``; tests/engine/test_cluster.py runs processes on it). Their ids end
 in ``[cluster]``; ``-m "not cluster"`` leaves them out.
 """
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.proc_harness import REPO
+from tests.harness.proc_harness import REPO
 
 
 def run_hidden(hidden: list[str], code: str, *, path: str | None = None) -> subprocess.CompletedProcess[str]:

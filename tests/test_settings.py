@@ -18,7 +18,7 @@ from sluice.settings import (
     ENVIRONMENT,
     Settings,
 )
-from tests.proc_harness import REPO
+from tests.harness.proc_harness import REPO
 
 
 def test_defaults_with_an_empty_environment() -> None:

@@ -9,7 +9,7 @@ and says what to do instead. Values of options (``--priority -3``) were
 always read as values.
 
 Typer vendors click since 0.26 (``typer._click``); its parser class is the
-one private name this module relies on, and tests/test_cli_budget.py fails
+one private name this module relies on, and tests/cli/test_cli_budget.py fails
 if a new typer changes it.
 """
 

@@ -3,7 +3,7 @@
 Every key of a queue shares the hash tag ``{name}``, so all scripts touch a
 single slot and run unchanged on Redis Cluster. What each key holds (its
 type, members and fields, and the job hash's fields) is written down once,
-in docs/architecture.md, section "Keys"; tests/test_keys.py checks that
+in docs/architecture.md, section "Keys"; tests/engine/test_keys.py checks that
 every key built here is there.
 """
 

@@ -2,7 +2,7 @@
 
 A duration (ms) is put in the bin ``ceil(log_gamma(v))`` with ``gamma =
 (1 + a) / (1 - a)`` and ``a = 1 %``: DDSketch's logarithmic mapping, computed
-here exactly as the ``ddsketch`` package does (tests/test_latency_stats.py
+here exactly as the ``ddsketch`` package does (tests/engine/test_latency_stats.py
 checks the keys against it). A bin is reported by the value ``2 gamma^k /
 (gamma + 1)``, which is within ``a`` (relative) of every value in it, so a
 percentile read from the bins is within 1 % of the exact value at the same

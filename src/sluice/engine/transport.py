@@ -130,7 +130,7 @@ def _not_sent(exc: BaseException) -> bool:
 
     redis-py words its connect failures "Error ... connecting to ..." or
     "Timeout connecting to server", and a pool without a free connection "No
-    connection available". tests/test_transport.py fails if a new redis-py
+    connection available". tests/engine/test_transport.py fails if a new redis-py
     words a refused connection otherwise (every write would then say
     OutcomeUnknown).
     """

@@ -100,7 +100,7 @@ RANK_FILE_SHA256: Mapping[str, str] = {
 }
 
 # The rest of each encoding's definition: the pre-tokenizing regex and the special tokens, as
-# OpenAI defines them in tiktoken_ext/openai_public.py (tests/test_llm_tokens.py checks that they
+# OpenAI defines them in tiktoken_ext/openai_public.py (tests/llm/test_llm_tokens.py checks that they
 # still equal what the installed tiktoken builds).
 _CL100K_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|"""

@@ -9,7 +9,7 @@
 --
 -- Fields of the retention hash: <kind>_age (ms, 0 = no age limit) and
 -- <kind>_count (0 = no count limit). A field not set takes the default below
--- (sluice.engine.retention documents them; tests/test_retention.py checks
+-- (sluice.engine.retention documents them; tests/engine/test_retention.py checks
 -- that both agree).
 --
 -- K needs: retention (hash), finp (prefix of the finished:<kind> sets), dead.

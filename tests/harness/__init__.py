@@ -1,0 +1,1 @@
+"""What the tests share that is not a test: worker modules, harnesses, the model of the scripts."""
