@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sluice.engine.clock import script_now as _clock
 from sluice.engine.transport import writes
+from sluice.engine.wireformat import LEASED_FIELDS
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from sluice.engine.queue import Queue
 
-#: One finished attempt as the worker reports it:
-#: (job id, token, kind, value, retry in ms from now (kind b"f"), tokens used or -1).
+#: One finished attempt as the worker reports it: (job id, token, kind (a
+#: wireformat.Kind), value, retry in ms from now (kind FAILED), tokens used or -1).
 Outcome = tuple[str, bytes, bytes, bytes, int, int]
 
-#: Fields per leased job in a step's reply (see lua/includes/dispatch.lua).
-LEASED_FIELDS = 15
+__all__ = ["LEASED_FIELDS", "Outcome", "StepReply", "WorkerProtocol"]
 
 
 class StepReply(NamedTuple):
@@ -82,12 +82,11 @@ class WorkerProtocol:
         """Record ``outcomes`` (fenced by token), promote due jobs, lease up to ``want``.
 
         An outcome is ``(job_id, token, kind, value, retry_in_ms, tokens_used)``
-        with kind b"c" completed, b"f" failed, b"p" failed permanently, b"r"
-        released, b"x" cancelled, b"t" throttled (value: retry after, ms);
-        ``retry_in_ms`` is how long a b"f" retry waits (from the script's now), and
-        tokens_used -1 when not reported (see lua/includes/finish.lua). Returns the per-outcome
-        codes, the next due time (ms on Redis's clock, or -1) and the leased jobs as
-        flat groups of LEASED_FIELDS values (see lua/includes/dispatch.lua). See :meth:`step_command`
+        and kind a :class:`~sluice.engine.wireformat.Kind` (a THROTTLED value: retry
+        after, ms); ``retry_in_ms`` is how long a FAILED retry waits (from the script's
+        now), and tokens_used -1 when not reported (see lua/includes/finish.lua). Returns the
+        per-outcome codes, the next due time (ms on Redis's clock, or -1) and the leased jobs
+        as flat groups of LEASED_FIELDS values (engine/wireformat.py). See :meth:`step_command`
         for ``request_id``.
         """
         keys, args = self.step_command(

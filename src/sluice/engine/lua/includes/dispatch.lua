@@ -16,11 +16,9 @@
 --   considered; a queue-wide gate stops the step (strict priority order).
 --   At most EXAMINE_MAX jobs are looked at; a call stopped there with jobs
 --   still waiting answers wait = now (come back at once).
---   Appends LEASED_FIELDS (15) values per job to `out`:
---     id, token, name, payload, attempt, max_attempts, timeout_ms, backoff, created,
---     tokens (the estimate), budget ('' if none), correlation id ('' if none),
---     due ('' if none: when a delay or a retry's backoff made it runnable),
---     trace context ('' if none), priority (as added)
+--   Appends LEASED_FIELDS values per job to `out`, at the offsets LEASED
+--   names (the wire include, generated from engine/wireformat.py, which
+--   says what each value is).
 --   `wait` is 0 when nothing refused, else as for queue_wait.
 --   Each gate that refuses is noted in G.refused (paused, throttled,
 --   concurrency, rate, token_rate, budget).
@@ -51,6 +49,7 @@
 -- name -> when its parked jobs may be tried again). K.maxlen too, and what
 -- retention.lua needs (retention, finp, dead).
 
+-- @include wire
 -- @include ledger
 -- @include retention
 
@@ -60,7 +59,6 @@ local PROMOTE_MAX = 100   -- delayed jobs promoted
 local UNPARK_BUDGETS = 2  -- budgets whose parked jobs are tried again
 local UNPARK_MAX = 50     -- parked jobs looked at per such budget
 local EXAMINE_MAX = 40    -- units of take_jobs' work: a job looked at is 1, each level it charges 2
-local LEASED_FIELDS = 15  -- values per leased job in a reply (protocol.py says the same)
 
 -- The job's budget and those above it, loaded once per script call.
 local function cached_chain(K, G, name, now)
@@ -493,21 +491,21 @@ local function take_some(K, G, now, max_jobs, lease_ms, worker, out, C)
           if G.pace and (G.rate_max or G.tpm) then G.paced = true end
           emit(K.events, K.maxlen, 'active', id, 'worker', worker, 'attempt', attempt, 'token', token)
           local n = #out
-          out[n + 1] = id
-          out[n + 2] = token
-          out[n + 3] = f[1]
-          out[n + 4] = f[2]
-          out[n + 5] = attempt
-          out[n + 6] = f[3]
-          out[n + 7] = f[4]
-          out[n + 8] = f[5]
-          out[n + 9] = f[6]
-          out[n + 10] = math.max(math.floor(tonumber(f[9]) or 0), 0)
-          out[n + 11] = f[10] or ''
-          out[n + 12] = f[14] or ''
-          out[n + 13] = f[15] or ''
-          out[n + 14] = f[16] or ''
-          out[n + 15] = f[17] or ''
+          out[n + LEASED.id] = id
+          out[n + LEASED.token] = token
+          out[n + LEASED.name] = f[1]
+          out[n + LEASED.payload] = f[2]
+          out[n + LEASED.attempt] = attempt
+          out[n + LEASED.max_attempts] = f[3]
+          out[n + LEASED.timeout_ms] = f[4]
+          out[n + LEASED.backoff] = f[5]
+          out[n + LEASED.created] = f[6]
+          out[n + LEASED.tokens] = math.max(math.floor(tonumber(f[9]) or 0), 0)
+          out[n + LEASED.budget] = f[10] or ''
+          out[n + LEASED.correlation_id] = f[14] or ''
+          out[n + LEASED.due] = f[15] or ''
+          out[n + LEASED.trace_context] = f[16] or ''
+          out[n + LEASED.priority] = f[17] or ''
           taken = taken + 1
         end
       end
