@@ -4,7 +4,7 @@ Three calls, each one Lua script: :meth:`WorkerProtocol.step` (hand in the
 outcomes finished since the last call, promote due jobs, lease as many new
 ones as there are free slots), :meth:`~WorkerProtocol.extend` (renew the
 leases of running jobs) and :meth:`~WorkerProtocol.reap` (return jobs whose
-lease expired). The runner (runner.py) is their user; tests that drive time
+lease expired). The worker (pump.py, upkeep.py) is their user; tests that drive time
 call them with ``now`` in hand; everyone else leaves ``now`` out, and the
 scripts read Redis's clock (see lua/includes/clock.lua). Producers never need them, which is why they
 live on ``queue.protocol`` and not on the :class:`~sluice.engine.queue.Queue`.
@@ -112,7 +112,7 @@ class WorkerProtocol:
         """The KEYS and ARGV of one dispatch call, for callers that send it themselves.
 
         The worker's pump does: it owns a connection of its own for this one
-        script (see runner.py), and parses the answer with :meth:`StepReply.parse`.
+        script (see pump.py), and parses the answer with :meth:`StepReply.parse`.
         ``request_id`` (unique per call of this worker) makes the call safe to
         send again when its reply was lost: sent again with the same id, it is
         answered from what it did the first time instead of being run twice.
