@@ -24,7 +24,7 @@ from sluice.engine.codec import decode
 from sluice.engine.context import JobContext, set_current_job
 from sluice.engine.hooks import AttemptEnd, after_attempt, before_attempt
 from sluice.engine.job import valid_trace_context
-from sluice.engine.outcomes import PERMANENT, RELEASED
+from sluice.engine.outcomes import PERMANENT, RELEASED, metric_label, returned
 from sluice.engine.transport import describe
 from sluice.engine.wireformat import (
     ATTEMPT,
@@ -312,7 +312,7 @@ class Attempts:
             return outcomes.failed(ctx, exc, job.backoff, self.wid)
         if job.timed_out_at is not None:
             return self._timed_out(job, "returned a value, which was discarded")
-        return outcomes.returned(ctx, result, job.sync, self.wid)
+        return returned(ctx, result, job.sync, self.wid)
 
     def _timed_out(self, job: Running, after: str | None) -> outcomes.Result:
         assert job.timeout is not None and job.timed_out_at is not None
@@ -347,7 +347,7 @@ class Attempts:
 def _ended_probe(job: Running, outcome: outcomes.Result | None) -> None:
     """Tell the metrics how the attempt ended. A probe that raises is logged, never lets the
     attempt's outcome go unreported."""
-    label = outcomes.metric_label(outcome, job.timed_out_at is not None, job.ctx.is_last_attempt)
+    label = metric_label(outcome, job.timed_out_at is not None, job.ctx.is_last_attempt)
     try:
         probe().attempt_ended(job.label, label, time.monotonic() - job.started)
     except Exception:  # a metrics hook's own failure
