@@ -9,10 +9,12 @@ import importlib.metadata
 
 from sluice.engine import (
     MAX_PRIORITY,
+    AttemptEnd,
     Backoff,
     BudgetState,
     Event,
     FlowState,
+    Hook,
     Job,
     JobContext,
     JobLogFilter,
@@ -61,6 +63,7 @@ except importlib.metadata.PackageNotFoundError:  # running from a source tree th
 
 __all__ = [
     "MAX_PRIORITY",
+    "AttemptEnd",
     "AttemptTimeout",
     "Backoff",
     "BudgetError",
@@ -71,6 +74,7 @@ __all__ = [
     "CorruptJobError",
     "Event",
     "FlowState",
+    "Hook",
     "InvalidJobError",
     "Job",
     "JobCancelled",

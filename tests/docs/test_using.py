@@ -146,6 +146,21 @@ async def test_the_job_log_filter_example(redis_url: str, redis: Redis, prefix: 
     assert seen == ["req-42"] and current_job() is None
 
 
+async def test_the_worker_hooks_example(redis: Redis, prefix: str) -> None:
+    namespace: dict[str, object] = {}
+    exec(compile(block("worker-hooks"), "docs/using.md", "exec"), namespace)  # noqa: S102 - the doc's code
+    worker = namespace["worker"]
+    assert isinstance(worker, Worker)
+    worker.configure(prefix=prefix)
+    # The client lives as long as the worker runs, in its state, and is closed after
+    async with running_worker(worker, redis):
+        await asyncio.sleep(0.05)
+        client = worker.state["http"]
+        assert not client.is_closed
+    assert "http" not in worker.state
+    assert client.is_closed
+
+
 async def test_the_library_snippet(
     redis_url: str, redis: Redis, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

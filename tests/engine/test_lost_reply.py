@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from sluice import JobContext, JobState, Queue, Worker
-from sluice.engine import runner as runner_module
+from sluice.engine import pump as pump_module
 from tests.conftest import running
 from tests.harness.stepping import leased
 
@@ -69,7 +69,7 @@ async def test_a_worker_whose_dispatch_reply_is_lost_runs_the_jobs_it_leased(
 ) -> None:
     # Given a worker whose connection breaks right after each of its first two
     # dispatch calls ran in Redis (the script's work is done, the reply is lost)
-    real_call = runner_module._Wire.call
+    real_call = pump_module.Wire.call
     lost = 0
 
     async def call_then_lose_reply(self: Any, keys: list[str], args: list[Any]) -> Any:
@@ -81,7 +81,7 @@ async def test_a_worker_whose_dispatch_reply_is_lost_runs_the_jobs_it_leased(
             raise RedisConnectionError("connection lost before the reply was read")
         return reply
 
-    monkeypatch.setattr(runner_module._Wire, "call", call_then_lose_reply)
+    monkeypatch.setattr(pump_module.Wire, "call", call_then_lose_reply)
     queue = Queue("q", redis=redis, prefix=prefix)
     jobs = [await queue.add("work", i) for i in range(4)]
     w = Worker("q", prefix=prefix, concurrency=4, lease=30.0)

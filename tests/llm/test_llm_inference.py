@@ -13,16 +13,19 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from sluice import Queue
+from sluice import Queue, Worker
 from sluice.errors import ConfigurationError
 from sluice.llm.cache import SemanticCache
 from sluice.llm.embedder import LocalEmbedder, ProviderEmbedder
 from sluice.llm.inference import (
+    RUNTIME_STATE,
     InvalidInference,
     LLMRuntime,
+    RuntimeFromEnv,
     embedder_from_env,
     inference_job,
     parse_request,
+    register_inference,
     reservation,
 )
 from sluice.llm.openai import OpenAIProvider
@@ -501,3 +504,36 @@ async def test_a_canary_provider_key_reaches_no_log_job_record_store_or_redis(
 async def _job_ids(api: Running) -> list[str]:
     page = await api.svc.store.list_jobs("acme", limit=100)
     return [str(job.id) for job in page.jobs]
+
+
+async def test_a_workers_runtime_lives_in_its_state_from_its_first_job_to_its_shutdown(
+    redis: Redis, prefix: str
+) -> None:
+    # Given a worker whose llm-inference runtime comes from an empty environment (offline)
+    w = Worker("llm", prefix=prefix)
+    closed: list[bool] = []
+    hook = RuntimeFromEnv(w.state, env={})
+    w.add_hook(hook)
+    w.register("llm-inference", hook.handler)
+    queue = Queue("llm", redis=redis, prefix=prefix)
+    async with running(w, redis):
+        assert RUNTIME_STATE not in w.state  # nothing read before a job asks
+        (job,) = await queue.add_bulk([inference_job("hello", cache=False, env={})])
+        assert (await job.result(timeout=10))["provider"] == "offline"
+        runtime = w.state[RUNTIME_STATE]
+        runtime.closers.append(lambda: _note(closed))
+    # Then the run's shutdown closed it, and the worker keeps none for its next run
+    assert closed == [True]
+    assert RUNTIME_STATE not in w.state
+    await queue.close()
+
+
+def test_registering_the_built_in_handler_twice_keeps_one_runtime_hook() -> None:
+    w = Worker("llm")
+    register_inference(w)
+    register_inference(w)
+    assert [type(h) for h in w.hooks] == [RuntimeFromEnv]
+
+
+async def _note(closed: list[bool]) -> None:
+    closed.append(True)

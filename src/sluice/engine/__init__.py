@@ -11,6 +11,7 @@ from sluice.engine.budgets import Budgets
 from sluice.engine.context import JobContext, JobLogFilter, current_job
 from sluice.engine.events import Event
 from sluice.engine.flow import FlowState
+from sluice.engine.hooks import AttemptEnd, Hook
 from sluice.engine.job import MAX_PRIORITY, JobRecord, JobSpec, JobState
 from sluice.engine.queue import Job, Queue
 from sluice.engine.windows import RateWindow
@@ -18,11 +19,13 @@ from sluice.engine.worker import Worker
 
 __all__ = [
     "MAX_PRIORITY",
+    "AttemptEnd",
     "Backoff",
     "BudgetState",
     "Budgets",
     "Event",
     "FlowState",
+    "Hook",
     "Job",
     "JobContext",
     "JobLogFilter",

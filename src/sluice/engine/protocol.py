@@ -4,7 +4,7 @@ Three calls, each one Lua script: :meth:`WorkerProtocol.step` (hand in the
 outcomes finished since the last call, promote due jobs, lease as many new
 ones as there are free slots), :meth:`~WorkerProtocol.extend` (renew the
 leases of running jobs) and :meth:`~WorkerProtocol.reap` (return jobs whose
-lease expired). The runner (runner.py) is their user; tests that drive time
+lease expired). The worker (pump.py, upkeep.py) is their user; tests that drive time
 call them with ``now`` in hand; everyone else leaves ``now`` out, and the
 scripts read Redis's clock (see lua/includes/clock.lua). Producers never need them, which is why they
 live on ``queue.protocol`` and not on the :class:`~sluice.engine.queue.Queue`.
@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sluice.engine.clock import script_now as _clock
 from sluice.engine.transport import writes
+from sluice.engine.wireformat import LEASED_FIELDS
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from sluice.engine.core import QueueCore
 
-#: One finished attempt as the worker reports it:
-#: (job id, token, kind, value, retry in ms from now (kind b"f"), tokens used or -1).
+#: One finished attempt as the worker reports it: (job id, token, kind (a
+#: wireformat.Kind), value, retry in ms from now (kind FAILED), tokens used or -1).
 Outcome = tuple[str, bytes, bytes, bytes, int, int]
 
-#: Fields per leased job in a step's reply (see lua/includes/dispatch.lua).
-LEASED_FIELDS = 15
+__all__ = ["LEASED_FIELDS", "Outcome", "StepReply", "WorkerProtocol"]
 
 
 class StepReply(NamedTuple):
@@ -82,12 +82,11 @@ class WorkerProtocol:
         """Record ``outcomes`` (fenced by token), promote due jobs, lease up to ``want``.
 
         An outcome is ``(job_id, token, kind, value, retry_in_ms, tokens_used)``
-        with kind b"c" completed, b"f" failed, b"p" failed permanently, b"r"
-        released, b"x" cancelled, b"t" throttled (value: retry after, ms);
-        ``retry_in_ms`` is how long a b"f" retry waits (from the script's now), and
-        tokens_used -1 when not reported (see lua/includes/finish.lua). Returns the per-outcome
-        codes, the next due time (ms on Redis's clock, or -1) and the leased jobs as
-        flat groups of LEASED_FIELDS values (see lua/includes/dispatch.lua). See :meth:`step_command`
+        and kind a :class:`~sluice.engine.wireformat.Kind` (a THROTTLED value: retry
+        after, ms); ``retry_in_ms`` is how long a FAILED retry waits (from the script's
+        now), and tokens_used -1 when not reported (see lua/includes/finish.lua). Returns the
+        per-outcome codes, the next due time (ms on Redis's clock, or -1) and the leased jobs
+        as flat groups of LEASED_FIELDS values (engine/wireformat.py). See :meth:`step_command`
         for ``request_id``.
         """
         keys, args = self.step_command(
@@ -113,7 +112,7 @@ class WorkerProtocol:
         """The KEYS and ARGV of one dispatch call, for callers that send it themselves.
 
         The worker's pump does: it owns a connection of its own for this one
-        script (see runner.py), and parses the answer with :meth:`StepReply.parse`.
+        script (see pump.py), and parses the answer with :meth:`StepReply.parse`.
         ``request_id`` (unique per call of this worker) makes the call safe to
         send again when its reply was lost: sent again with the same id, it is
         answered from what it did the first time instead of being run twice.

@@ -5,6 +5,10 @@ live in ``lua/includes/``. Includes are expanded at load time (Redis has no
 ``require``), each at most once per script, and a cycle is an error, so a
 shared helper can never be defined twice or recurse at load.
 
+One include is generated rather than read: ``wire``, the dispatch reply's
+layout and the outcome kinds, from :mod:`sluice.engine.wireformat`, so that
+Python and Lua cannot disagree on them.
+
 Scripts run with EVALSHA through redis-py's ``Script`` objects, which load
 them on the first NOSCRIPT reply (after a Redis restart or SCRIPT FLUSH).
 Redis Functions are avoided on purpose: Redis 6.2 lacks them.
@@ -18,6 +22,7 @@ from functools import cache
 from importlib import resources
 from typing import TYPE_CHECKING
 
+from sluice.engine import wireformat
 from sluice.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -52,6 +57,10 @@ COMMANDS = (
 )
 
 
+#: Includes made by Python when the scripts load, by name.
+GENERATED: dict[str, Callable[[], str]] = {"wire": wireformat.lua_include}
+
+
 def _read(relative: str) -> str:
     ref = resources.files("sluice.engine").joinpath("lua", relative)
     try:
@@ -71,6 +80,8 @@ def expand(source: str, read_include: Callable[[str], str] | None = None) -> str
     def reader(name: str) -> str:
         if read_include is not None:
             return read_include(name)
+        if name in GENERATED:
+            return GENERATED[name]()
         return _read(f"includes/{name}.lua")
 
     done: set[str] = set()

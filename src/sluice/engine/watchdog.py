@@ -57,6 +57,7 @@ from redis.retry import Retry
 from sluice.engine.backoff import Backoff
 from sluice.engine.protocol import StepReply
 from sluice.engine.transport import describe, server_url
+from sluice.engine.wireformat import Kind
 
 if TYPE_CHECKING:
     from sluice.engine.context import JobContext
@@ -89,7 +90,7 @@ _ASYNC_ONLY = frozenset(
 
 
 class Attempt(Protocol):
-    """What the watchdog reads of one running attempt (the runner's ``_Running``).
+    """What the watchdog reads of one running attempt (attempts.Running).
 
     Every field is written on the event loop and read here; each is a plain
     attribute, so a read sees either the old or the new value.
@@ -376,7 +377,7 @@ class Watchdog:
             if attempt.ctx.id not in reported:
                 outcomes.append(self._overrun(attempt, how + where, now))
         released = [a for a in attempts if id(a) not in charged and a.ctx.id not in reported]
-        outcomes += [(a.ctx.id, a.token, b"r", b"", 0, a.ctx.usage) for a in released]
+        outcomes += [(a.ctx.id, a.token, Kind.RELEASED, b"", 0, a.ctx.usage) for a in released]
         try:
             codes = self._dispatch.finish(outcomes)
         except Exception as exc:  # noqa: BLE001 - the process ends either way
@@ -460,4 +461,4 @@ class Watchdog:
                 "error": error,
             },
         )
-        return (ctx.id, attempt.token, b"o", error.encode(), int(retry_in * 1000), ctx.usage)
+        return (ctx.id, attempt.token, Kind.OVERRAN, error.encode(), int(retry_in * 1000), ctx.usage)

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 import os
 import secrets
 import signal
 import socket
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
+from sluice.engine import hooks as _hooks
 from sluice.engine.connection import connect
-from sluice.engine.context import JobContext
+from sluice.engine.handlers import AsyncHandler, Handler, Handlers, SyncHandler
+from sluice.engine.hooks import Hook
 from sluice.engine.keys import check_name
 from sluice.engine.queue import Queue
 from sluice.engine.retention import refuse_keep_finished
+from sluice.engine.runconfig import RunConfig
+from sluice.engine.runner import Runner
 from sluice.engine.watchdog import DEFAULT_HARD_GRACE, DEFAULT_LOOP_BLOCK_WARNING
 from sluice.errors import ConfigurationError
 from sluice.settings import (
@@ -33,11 +36,8 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
     from redis.asyncio.cluster import RedisCluster
 
-#: ``async def handler(job)``: runs on the worker's event loop, and is cancelled at its timeout.
-AsyncHandler = Callable[[JobContext], Awaitable[Any]]
-#: ``def handler(job)``: runs in a thread of the worker's own, so blocking calls are fine.
-SyncHandler = Callable[[JobContext], Any]
-Handler = AsyncHandler | SyncHandler
+__all__ = ["AsyncHandler", "Handler", "SyncHandler", "Worker"]
+
 H = TypeVar("H", bound=Handler)
 
 
@@ -74,6 +74,10 @@ class Worker:
     job and the line that blocked it (None: never). Both are watched by a
     thread of the worker's own (engine/watchdog.py), since the event loop may
     be the thing that is stuck.
+
+    ``hooks``: :class:`~sluice.engine.hooks.Hook` instances, called at startup,
+    at shutdown and around every attempt (see engine/hooks.py); ``state`` is
+    the dict their startup and shutdown get, kept as long as the worker.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class Worker:
         events_maxlen: int = DEFAULT_EVENTS_MAXLEN,
         hard_grace: float | None = DEFAULT_HARD_GRACE,
         loop_block_warning: float | None = DEFAULT_LOOP_BLOCK_WARNING,
+        hooks: Iterable[Hook] = (),
     ) -> None:
         self.hard_grace = _optional_seconds("hard_grace", hard_grace, None)
         self.loop_block_warning = _optional_seconds("loop_block_warning", loop_block_warning, None)
@@ -106,10 +111,13 @@ class Worker:
         refuse_keep_finished(keep_finished)
         self.events_maxlen = events_maxlen
         self.configure(reap_interval=reap_interval)
-        self._handlers: dict[str, Handler] = {}
-        #: names of the handlers that are plain functions, run in threads
-        self._sync: set[str] = set()
-        self._runner: Any = None
+        self._handlers = Handlers()
+        self._hooks: list[Hook] = []
+        #: what the hooks keep for the worker's life (their startup and shutdown get it)
+        self.state: dict[str, Any] = {}
+        self._runner: Runner | None = None
+        for hook in hooks:
+            self.add_hook(hook)
         for name, fn in (handlers or {}).items():
             self.register(name, fn)
 
@@ -178,22 +186,18 @@ class Worker:
         timeout ``job.stop_requested`` turns true, and past ``hard_grace`` the
         process is ended), and it holds its slot until it returns.
         """
-        if not isinstance(name, str) or not name:
-            raise ConfigurationError(f"handler name must be a non-empty string, got {name!r}")
-        if not callable(fn):
-            raise ConfigurationError(f"handler {name!r} must be a function (def or async def), got {fn!r}")
-        if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
-            raise ConfigurationError(
-                f"handler {name!r} is a generator function; a handler returns its result (def or async def)"
-            )
-        if name in self._handlers and self._handlers[name] is not fn:
-            raise ConfigurationError(f"a different handler is already registered as {name!r}")
-        self._handlers[name] = fn
-        # An object whose __call__ is async is awaited too, not run in a thread.
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
-            self._sync.discard(name)
-        else:
-            self._sync.add(name)
+        self._handlers.register(name, fn)
+
+    def add_hook(self, hook: Hook) -> None:
+        """Add a hook (engine/hooks.py): its startup runs after those added before it, its
+        shutdown and after_attempt before theirs."""
+        if not isinstance(hook, Hook):
+            raise ConfigurationError(f"a hook must be a sluice.engine.hooks.Hook, got {hook!r}")
+        self._hooks.append(hook)
+
+    @property
+    def hooks(self) -> tuple[Hook, ...]:
+        return tuple(self._hooks)
 
     @overload
     def handler(self, fn: H, /) -> H: ...
@@ -218,14 +222,27 @@ class Worker:
 
     @property
     def names(self) -> frozenset[str]:
-        return frozenset(self._handlers)
+        return self._handlers.names
 
     def get_handler(self, name: str) -> Handler | None:
         return self._handlers.get(name)
 
     def is_sync(self, name: str) -> bool:
         """Whether the handler of ``name`` is a plain function, run in a thread."""
-        return name in self._sync
+        return self._handlers.is_sync(name)
+
+    def run_config(self) -> RunConfig:
+        """The settings a run starts with, frozen."""
+        return RunConfig(
+            worker_id=self.worker_id,
+            concurrency=self.concurrency,
+            lease=self.lease,
+            timeout=self.timeout,
+            shutdown_grace=self.shutdown_grace,
+            reap_interval=self.reap_interval,
+            hard_grace=self.hard_grace,
+            loop_block_warning=self.loop_block_warning,
+        )
 
     def queue(self, redis: Redis, **options: Any) -> Queue:
         """A Queue for this worker's queue that refuses job names it has no handler for."""
@@ -243,10 +260,11 @@ class Worker:
         """Run until :meth:`stop` (or SIGTERM/SIGINT when ``handle_signals``).
 
         A first signal stops taking jobs and gives in-flight ones
-        ``shutdown_grace`` seconds; a second releases them at once.
+        ``shutdown_grace`` seconds; a second releases them at once. The hooks'
+        startup runs before the first job is taken (one that raises ends the
+        run, after the shutdown of those that started), their shutdown after
+        the last attempt ended.
         """
-        from sluice.engine.runner import Runner
-
         if not self._handlers:
             raise ConfigurationError("this worker has no handlers; register some with @worker.handler")
         client = connect(redis) if isinstance(redis, str) else redis
@@ -256,11 +274,16 @@ class Worker:
             prefix=self.prefix,
             events_maxlen=self.events_maxlen,
         )
-        runner = Runner(self, queue)
-        self._runner = runner
+        hooks = tuple(self._hooks)
+        # Made before the hooks start, so that a stop asked meanwhile is not lost.
+        runner = self._runner = Runner(self.run_config(), queue, self._handlers, hooks)
         installed = self._install_signals(runner) if handle_signals else []
         try:
-            await runner.run()
+            await _hooks.startup(hooks, self.state)
+            try:
+                await runner.run()
+            finally:
+                await _hooks.shutdown(hooks, self.state)
         finally:
             loop = asyncio.get_running_loop()
             for sig in installed:
@@ -275,7 +298,7 @@ class Worker:
         if self._runner is not None:
             self._runner.request_stop(immediately=immediately)
 
-    def _install_signals(self, runner: Any) -> list[signal.Signals]:
+    def _install_signals(self, runner: Runner) -> list[signal.Signals]:
         if threading.current_thread() is not threading.main_thread():
             return []
         loop = asyncio.get_running_loop()

@@ -22,14 +22,16 @@
 -- ARGV[9 + 6 * (i - 1) ...] per finished job: id, token, kind, value, retry in (ms from
 --   now, for kind 'f'), tokens used (-1 = not reported)
 --
--- Returns {n, code_1..code_n, next_due, now, epoch, <15 values per taken job>...}
--- (codes: see includes/finish.lua; next_due and jobs: see includes/dispatch.lua;
+-- Returns {n, code_1..code_n, next_due, now, epoch, <LEASED_FIELDS values per taken job>...}
+-- (codes: see includes/finish.lua; next_due: see includes/dispatch.lua; each job's
+-- values: the wire include, generated from engine/wireformat.py;
 -- now is the script's clock, so a worker can time next_due without trusting its own;
 -- epoch names this life of the queue's data, so that provider idempotency keys
 -- (prefix, queue, epoch, job id) never repeat after Redis lost its data and job
 -- ids started again from 1).
 
 -- @include clock
+-- @include wire
 -- @include emit
 -- @include wake
 -- @include ledger
@@ -50,21 +52,21 @@ local function replay(K, rec, now, epoch)
                          'due', 'trace', 'priority')
     if f[1] == 'active' and f[2] == token then
       local n = #out
-      out[n + 1] = id
-      out[n + 2] = tonumber(token)
-      out[n + 3] = f[3]
-      out[n + 4] = f[4]
-      out[n + 5] = tonumber(f[5])
-      out[n + 6] = f[6]
-      out[n + 7] = f[7]
-      out[n + 8] = f[8]
-      out[n + 9] = f[9]
-      out[n + 10] = math.max(math.floor(tonumber(f[10]) or 0), 0)
-      out[n + 11] = f[11] or ''
-      out[n + 12] = f[12] or ''
-      out[n + 13] = f[13] or ''
-      out[n + 14] = f[14] or ''
-      out[n + 15] = f[15] or ''
+      out[n + LEASED.id] = id
+      out[n + LEASED.token] = tonumber(token)
+      out[n + LEASED.name] = f[3]
+      out[n + LEASED.payload] = f[4]
+      out[n + LEASED.attempt] = tonumber(f[5])
+      out[n + LEASED.max_attempts] = f[6]
+      out[n + LEASED.timeout_ms] = f[7]
+      out[n + LEASED.backoff] = f[8]
+      out[n + LEASED.created] = f[9]
+      out[n + LEASED.tokens] = math.max(math.floor(tonumber(f[10]) or 0), 0)
+      out[n + LEASED.budget] = f[11] or ''
+      out[n + LEASED.correlation_id] = f[12] or ''
+      out[n + LEASED.due] = f[13] or ''
+      out[n + LEASED.trace_context] = f[14] or ''
+      out[n + LEASED.priority] = f[15] or ''
     end
   end
   return out
@@ -124,9 +126,9 @@ if req ~= '' then
   -- so that the same call sent again after a lost reply is answered, not redone.
   local codes, leases = {}, {}
   for i = 1, n do codes[i] = out[i + 1] end
-  for i = at + 3, #out, LEASED_FIELDS do -- (the values of each leased job: includes/dispatch.lua)
-    leases[#leases + 1] = out[i]
-    leases[#leases + 1] = tostring(out[i + 1])
+  for i = at + 3, #out, LEASED_FIELDS do -- (each leased job's group: the wire include)
+    leases[#leases + 1] = out[i - 1 + LEASED.id]
+    leases[#leases + 1] = tostring(out[i - 1 + LEASED.token])
   end
   redis.call('HSET', KEYS[16], ARGV[4], cjson.encode({r = req, c = codes, l = leases}))
 end

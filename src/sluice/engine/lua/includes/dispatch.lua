@@ -16,11 +16,8 @@
 --   considered; a queue-wide gate stops the step (strict priority order).
 --   At most EXAMINE_MAX jobs are looked at; a call stopped there with jobs
 --   still waiting answers wait = now (come back at once).
---   Appends LEASED_FIELDS (15) values per job to `out`:
---     id, token, name, payload, attempt, max_attempts, timeout_ms, backoff, created,
---     tokens (the estimate), budget ('' if none), correlation id ('' if none),
---     due ('' if none: when a delay or a retry's backoff made it runnable),
---     trace context ('' if none), priority (as added)
+--   Appends LEASED_FIELDS values per job to `out`, at the offsets LEASED
+--   names (the wire include: engine/wireformat.py says what each value is).
 --   `wait` is 0 when nothing refused, else as for queue_wait.
 --   Each gate that refuses is noted in G.refused (paused, throttled,
 --   concurrency, rate, token_rate, budget).
@@ -51,6 +48,8 @@
 -- name -> when its parked jobs may be tried again). K.maxlen too, and what
 -- retention.lua needs (retention, finp, dead).
 
+-- @include wire
+-- @include pacer
 -- @include ledger
 -- @include retention
 
@@ -60,7 +59,6 @@ local PROMOTE_MAX = 100   -- delayed jobs promoted
 local UNPARK_BUDGETS = 2  -- budgets whose parked jobs are tried again
 local UNPARK_MAX = 50     -- parked jobs looked at per such budget
 local EXAMINE_MAX = 40    -- units of take_jobs' work: a job looked at is 1, each level it charges 2
-local LEASED_FIELDS = 15  -- values per leased job in a reply (protocol.py says the same)
 
 -- The job's budget and those above it, loaded once per script call.
 local function cached_chain(K, G, name, now)
@@ -172,41 +170,6 @@ local LAG_KEEP_MS = 500
 -- Windows per kind (requests, tokens) at most: the paced one and two caps (pace.lua's).
 local WINDOWS_MAX = 3
 
--- After repeated 429s the pacers run slower for a while: their rate times a
--- factor in per mille (control 'slow_pm', set at 'slow_at') that climbs back
--- to 1000 over SLOW_RECOVER windows of the longest limit. A first 429 after a
--- quiet spell is taken for an accident of timing (one call that arrived
--- late): it is only remembered. Each further one within the recovery takes
--- SLOW_STEP of what the factor is then, down to SLOW_FLOOR, at most one per
--- SLOW_QUIET_MS: the calls refused in one burst are one mistake, not several.
-local SLOW_STEP, SLOW_FLOOR, SLOW_RECOVER, SLOW_QUIET_MS = 950, 500, 2, 250
-
-local function slow_recover_ms(rate_ms, tpm_ms)
-  return SLOW_RECOVER * math.max(tonumber(rate_ms) or 0, tonumber(tpm_ms) or 0, 1000)
-end
-
--- The factor now (per mille, an integer): 1000 unless a 429 slowed the pacers lately.
-local function slow_now(pm, at, recover_ms, now)
-  pm, at = tonumber(pm), tonumber(at)
-  if not pm or not at or now - at >= recover_ms then return 1000 end
-  return math.floor(pm + (1000 - pm) * math.max(now - at, 0) / recover_ms)
-end
-
--- A provider refused a call (a 429): the pacers slow down (see slow_now).
-local function slow_down(K, now)
-  local f = redis.call('HMGET', K.control, 'slow_pm', 'slow_at', 'rate_ms', 'tpm_ms')
-  local at = tonumber(f[2])
-  if at and now - at < SLOW_QUIET_MS and now >= at then return end
-  local recover = slow_recover_ms(f[3], f[4])
-  if not at or now - at >= recover or now < at then
-    redis.call('HSET', K.control, 'slow_pm', 1000, 'slow_at', now)
-    return
-  end
-  local pm = slow_now(f[1], f[2], recover, now)
-  redis.call('HSET', K.control, 'slow_pm', math.max(SLOW_FLOOR, math.floor(pm * SLOW_STEP / 1000)),
-             'slow_at', now)
-end
-
 local function load_gates(K, now)
   local f = redis.call('HMGET', K.control, 'paused', 'throttled_until', 'concurrency', 'rate_max',
                        'rate_ms', 'tpm', 'tolerance_ms', 'headroom_ms', 'tat_req', 'tat_tok', 'lag_h',
@@ -265,23 +228,6 @@ local function load_gates(K, now)
     end
   end
   return G
-end
-
--- The pacer's answer: 0 if a start is due (tat - tau <= now), else the first
--- ms at which it is.
-local function pace_wait(G, tat)
-  if not G.pace or tat - G.tau_us <= G.now_us then return 0 end
-  return math.ceil((tat - G.tau_us) / 1000)
-end
-
--- The pacer's next theoretical arrival time after a start of `cost` units, each
--- (win_ms / limit) ms apart (slower after a 429: G.slow), in whole microseconds,
--- rounded up.
-local function pace_next(G, tat, cost, win_ms, limit)
-  if G.slow < 1000 then
-    return math.max(tat, G.now_us) + math.ceil(cost * win_ms * 1000 * 1000 / (limit * G.slow))
-  end
-  return math.max(tat, G.now_us) + math.ceil(cost * win_ms * 1000 / limit)
 end
 
 -- The gate that refused this call, noted once per gate (see count_refusals).
@@ -493,21 +439,21 @@ local function take_some(K, G, now, max_jobs, lease_ms, worker, out, C)
           if G.pace and (G.rate_max or G.tpm) then G.paced = true end
           emit(K.events, K.maxlen, 'active', id, 'worker', worker, 'attempt', attempt, 'token', token)
           local n = #out
-          out[n + 1] = id
-          out[n + 2] = token
-          out[n + 3] = f[1]
-          out[n + 4] = f[2]
-          out[n + 5] = attempt
-          out[n + 6] = f[3]
-          out[n + 7] = f[4]
-          out[n + 8] = f[5]
-          out[n + 9] = f[6]
-          out[n + 10] = math.max(math.floor(tonumber(f[9]) or 0), 0)
-          out[n + 11] = f[10] or ''
-          out[n + 12] = f[14] or ''
-          out[n + 13] = f[15] or ''
-          out[n + 14] = f[16] or ''
-          out[n + 15] = f[17] or ''
+          out[n + LEASED.id] = id
+          out[n + LEASED.token] = token
+          out[n + LEASED.name] = f[1]
+          out[n + LEASED.payload] = f[2]
+          out[n + LEASED.attempt] = attempt
+          out[n + LEASED.max_attempts] = f[3]
+          out[n + LEASED.timeout_ms] = f[4]
+          out[n + LEASED.backoff] = f[5]
+          out[n + LEASED.created] = f[6]
+          out[n + LEASED.tokens] = math.max(math.floor(tonumber(f[9]) or 0), 0)
+          out[n + LEASED.budget] = f[10] or ''
+          out[n + LEASED.correlation_id] = f[14] or ''
+          out[n + LEASED.due] = f[15] or ''
+          out[n + LEASED.trace_context] = f[16] or ''
+          out[n + LEASED.priority] = f[17] or ''
           taken = taken + 1
         end
       end

@@ -2,7 +2,8 @@
 -- Records the outcome of one leased job, fenced by its attempt token, and
 -- settles the attempt's token reservation (if it has one).
 --
--- kind: 'c' completed (value = result JSON)
+-- kind (KIND in the wire include, generated from engine/wireformat.py):
+--       'c' completed (value = result JSON)
 --       'f' failed (value = error text; retried at retry_at while attempts
 --           remain, else dead-lettered)
 --       'p' failed permanently (dead-lettered now)
@@ -25,6 +26,7 @@
 -- C accumulates counters, written once per script call by flush_counts.
 -- K also needs: dead, retention, finp (see retention.lua), maxlen, ev_result_max.
 
+-- @include wire
 -- @include ledger
 -- @include retention
 -- @include dispatch
@@ -35,17 +37,18 @@
 -- refunded (the provider refused the call), anything else keeps the estimate
 -- as an unknown outcome.
 -- The outcome of an attempt as the job record's spend list names it, by kind.
-local OUTCOMES = {c = 'completed', f = 'failed', p = 'failed', o = 'timed out', r = 'released',
-                  x = 'cancelled', t = 'throttled'}
+local OUTCOMES = {[KIND.completed] = 'completed', [KIND.failed] = 'failed', [KIND.permanent] = 'failed',
+                  [KIND.overran] = 'timed out', [KIND.released] = 'released',
+                  [KIND.cancelled] = 'cancelled', [KIND.throttled] = 'throttled'}
 
 local function settle_attempt(K, jk, id, token, rid, kind, usage, now, C)
   if usage >= 0 then redis.call('HSET', jk, 'usage', usage) end
   -- ('rid' names the last attempt that reserved: not this one, if this one did not)
   if rid ~= id .. ':' .. token then return end
   local how = 'commit'
-  if usage < 0 and kind == 't' then
+  if usage < 0 and kind == KIND.throttled then
     how = 'refund'
-  elseif usage < 0 and kind ~= 'c' then
+  elseif usage < 0 and kind ~= KIND.completed then
     how = 'unknown'
   end
   local _, changed, _, crossed = settle(K, rid, how, usage, now, reservation_keep_ms(K))
@@ -64,11 +67,11 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C
   end
   redis.call('ZREM', K.active, id)
   settle_attempt(K, jk, id, token, cur[8], kind, usage, now, C)
-  if kind == 'o' then
+  if kind == KIND.overran then
     -- Overran its timeout and was stopped hard (its process ended): a failure,
     -- counted apart so that an operator sees it without reading errors.
     C.overrun = C.overrun + 1
-    kind = 'f'
+    kind = KIND.failed
   end
   -- A record whose numbers do not parse (damaged by another writer) must not
   -- fail the whole batch: missing numbers count as 0, a missing score dead-letters.
@@ -76,11 +79,11 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C
   local score = cur[6]
   -- A cancel requested while the attempt ran wins over anything but success:
   -- the job must not go back to waiting and run again.
-  if cur[7] and kind ~= 'c' then
-    if kind == 'f' or kind == 'p' then redis.call('HSET', jk, 'error', value) end
-    kind = 'x'
+  if cur[7] and kind ~= KIND.completed then
+    if kind == KIND.failed or kind == KIND.permanent then redis.call('HSET', jk, 'error', value) end
+    kind = KIND.cancelled
   end
-  if kind == 'c' then
+  if kind == KIND.completed then
     redis.call('HSET', jk, 'state', 'completed', 'finished', now, 'result', value)
     retain(K, 'completed', jk, id, now)
     C.completed = C.completed + 1
@@ -90,16 +93,16 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C
       emit(K.events, K.maxlen, 'completed', id)
     end
     return 1
-  elseif kind == 'x' then
+  elseif kind == KIND.cancelled then
     redis.call('HSET', jk, 'state', 'cancelled', 'finished', now)
     retain(K, 'cancelled', jk, id, now)
     C.cancelled = C.cancelled + 1
     emit(K.events, K.maxlen, 'cancelled', id)
     return 5
-  elseif (kind == 'r' or kind == 't') and score then
+  elseif (kind == KIND.released or kind == KIND.throttled) and score then
     redis.call('HSET', jk, 'state', 'waiting', 'attempt', math.max(attempt - 1, 0))
     redis.call('ZADD', K.waiting, score, id)
-    if kind == 'r' then
+    if kind == KIND.released then
       C.released = C.released + 1
       emit(K.events, K.maxlen, 'released', id)
       return 4
@@ -114,11 +117,13 @@ local function finish_one(K, jk, id, token, kind, value, retry_at, usage, now, C
     return 6
   end
   -- kind 'f' or 'p': a failed attempt
-  if kind == 'r' or kind == 't' then value = 'record has no waiting score; cannot be released' end
+  if kind == KIND.released or kind == KIND.throttled then
+    value = 'record has no waiting score; cannot be released'
+  end
   redis.call('HSET', jk, 'failures', (tonumber(cur[5]) or 0) + 1)
   C.failed = C.failed + 1
   emit(K.events, K.maxlen, 'failed', id, 'error', value)
-  if kind ~= 'f' or not score or attempt >= (tonumber(cur[4]) or 0) then
+  if kind ~= KIND.failed or not score or attempt >= (tonumber(cur[4]) or 0) then
     redis.call('HSET', jk, 'state', 'dead', 'finished', now, 'error', value)
     retain(K, 'dead', jk, id, now)
     C.dead = C.dead + 1
