@@ -8,7 +8,8 @@ from sluice.cli.options import JsonOpt, PrefixOpt, QueueOpt, RedisOpt, Target
 from sluice.cli.output import note, plain_table, print_json, span, stdout
 from sluice.cli.runtime import with_queue
 from sluice.engine import Queue
-from sluice.engine.sketch import METRICS, latency_report
+from sluice.engine.sketch import METRICS
+from sluice.engine.stats import latency_report
 from sluice.settings import DEFAULT_PREFIX, DEFAULT_QUEUE
 
 _LABELS = {"queue_wait": "queue wait", "processing": "processing", "end_to_end": "end to end"}

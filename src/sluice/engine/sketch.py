@@ -31,12 +31,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sluice.engine.clock import queue_now_ms
 from sluice.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from sluice.engine.keys import QueueKeys
-    from sluice.engine.queue import Queue
     from sluice.engine.scripts import Scripts
 
 #: The relative accuracy of every percentile reported.
@@ -297,23 +295,3 @@ def histogram(bins: Mapping[str, int], edges: Iterable[float] = HISTOGRAM_EDGES)
     n = zero + sum(c for _, c in per_key)
     out.append((math.inf, n))
     return Histogram(out, n, total_ms / 1000)
-
-
-#: The windows ``sluice stats`` and ``GET /v1/stats`` report, by label (seconds).
-WINDOWS = {"1m": 60, "5m": 300, "1h": 3600}
-
-
-async def latency_report(queue: Queue, windows: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """Every metric's percentiles over each window, on one reading of Redis's clock: the
-    JSON of ``sluice stats --json`` and the body of ``GET /v1/stats``."""
-    now = await queue_now_ms(queue)
-    out: dict[str, Any] = {}
-    for label, seconds in (windows or WINDOWS).items():
-        window = await queue.latency(seconds, now=now)
-        out[label] = {"seconds": window.window_s, "metrics": window.to_dict()["metrics"]}
-    return {
-        "queue": queue.name,
-        "accuracy": RELATIVE_ACCURACY,
-        "now_ms": now,
-        "windows": out,
-    }

@@ -13,7 +13,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from sluice.engine.sketch import latency_report
+from sluice.engine.stats import latency_report
 from sluice.service.context import CallerDep, ServicesDep
 from sluice.service.errors import responses
 
