@@ -7,7 +7,7 @@ import re
 
 from redis.asyncio import Redis
 
-from sluice import Queue
+from sluice import Backoff, JobSpec, Queue
 from sluice.engine import wireformat as wire
 from sluice.engine.scripts import expand, source
 from sluice.engine.wireformat import LEASED, LEASED_FIELDS, Kind
@@ -68,3 +68,54 @@ async def test_a_leased_job_reads_by_name(queue: Queue) -> None:
     assert int(f[wire.MAX_ATTEMPTS]) == 4
     assert f[wire.CORRELATION_ID] == b"req-7"
     assert f[wire.BUDGET] == b""
+
+
+async def test_lua_reads_a_jobs_packed_options_by_the_names_python_lays_out(redis: Redis) -> None:
+    script = expand(
+        "-- @include wire\n"
+        "local out = {}\n"
+        "for _, name in ipairs(cjson.decode(ARGV[1])) do out[#out + 1] = ADDED[name] end\n"
+        "return out\n"
+    )
+    names = "[" + ",".join(f'"{n}"' for n in wire.ADDED) + "]"
+    assert await redis.eval(script, 0, names) == list(range(1, len(wire.ADDED) + 1))
+
+
+async def test_every_packed_option_lands_in_its_field(queue: Queue) -> None:
+    # Given a job with every option set, next to its idempotency key and a caller's id
+    await queue.budgets.create("team", 1_000)
+    spec = JobSpec(
+        "work",
+        {"n": 'ünïcode "quoted"'},
+        priority=7,
+        delay=2.5,
+        max_attempts=4,
+        backoff=Backoff.fixed(3.0),
+        timeout=1.5,
+        idempotency_key="k-1",
+        max_stalls=2,
+        tokens=900,
+        budget="team",
+        on_exhausted="wait",
+        correlation_id="req-9",
+        trace_context="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        job_id="order-9",
+    )
+    (job,) = await queue.add_bulk([spec])
+    record = await queue.get_job(job.id)
+    # Then each option is where its name says
+    assert record is not None and record.id == "order-9"
+    assert (record.name, record.payload, record.priority) == ("work", {"n": 'ünïcode "quoted"'}, 7)
+    assert record.due_ms is not None and record.due_ms - record.created_ms == 2_500
+    assert (record.max_attempts, record.backoff, record.timeout, record.max_stalls) == (
+        4,
+        spec.backoff,
+        1.5,
+        2,
+    )
+    assert (record.tokens, record.budget, record.on_exhausted) == (900, "team", "wait")
+    assert (record.correlation_id, record.trace_context, record.idempotency_key) == (
+        "req-9",
+        spec.trace_context,
+        "k-1",
+    )

@@ -16,6 +16,8 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from sluice.engine import tracehooks
 from sluice.engine.admin import QueueAdmin
 from sluice.engine.backoff import DEFAULT_BACKOFF, Backoff
@@ -293,7 +295,9 @@ class Queue:
                 progress(len(jobs))
         return jobs
 
-    def _encode(self, spec: JobSpec) -> list[bytes | str | int]:
+    def _encode(self, spec: JobSpec) -> tuple[list[str], bytes]:
+        """A job's options (the first of ``wireformat.ADDED``, up to its idempotency key's
+        index, which its chunk gives) and its payload, checked."""
         if self.known_names is not None and spec.name not in self.known_names:
             known = ", ".join(sorted(self.known_names)) or "none"
             raise UnknownJobName(
@@ -302,38 +306,36 @@ class Queue:
             )
         payload = encode_limited(spec.payload, self.max_payload_bytes)
         timeout_ms = 0 if spec.timeout is None else max(1, int(spec.timeout * 1000))
-        return [
+        options = [
             spec.name,
-            payload,
-            spec.priority,
-            int(spec.delay * 1000),
-            spec.max_attempts,
-            spec.backoff.to_json(),
-            timeout_ms,
-            spec.max_stalls,
-            spec.tokens,
+            str(spec.priority),
+            str(int(spec.delay * 1000)),
+            str(spec.max_attempts),
+            spec.backoff.to_json().decode(),
+            str(timeout_ms),
+            str(spec.max_stalls),
+            str(spec.tokens),
             spec.budget or "",
             spec.on_exhausted,
             spec.correlation_id or "",
         ]
+        return options, payload
 
-    async def _add_chunk(self, specs: Sequence[JobSpec], encoded: list[list[Any]]) -> list[Job]:
+    async def _add_chunk(self, specs: Sequence[JobSpec], encoded: list[tuple[list[str], bytes]]) -> list[Job]:
         k = self.keys
         keys = [k.seq, k.waiting, k.delayed, k.events, k.wake, k.stats, k.job_prefix, k.budget_prefix]
         fixed = len(keys)
         idem_index: dict[str, int] = {}
         args: list[Any] = [script_now(None), self.events_maxlen, self.idempotency_ttl_ms, len(specs)]
-        for spec, enc in zip(specs, encoded, strict=True):
+        for spec, (options, payload) in zip(specs, encoded, strict=True):
             index = 0
             if spec.idempotency_key is not None:
                 index = idem_index.get(spec.idempotency_key, 0)
                 if not index:
                     keys.append(k.idem(spec.idempotency_key))
                     index = idem_index[spec.idempotency_key] = len(keys) - fixed
-            args.extend(enc)
-            args.append(index)
-            args.append(spec.trace_context or "")
-            args.append(spec.job_id or "")
+            args.append(orjson.dumps([*options, str(index), spec.trace_context or "", spec.job_id or ""]))
+            args.append(payload)
         reply = await self.scripts.add(keys=keys, args=args)
         if reply and reply[0] == -1:
             raise _no_budget(reply[1].decode())

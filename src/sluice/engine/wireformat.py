@@ -78,14 +78,39 @@ TRACE_CONTEXT = LEASED.index("trace_context")
 PRIORITY = LEASED.index("priority")
 
 
+#: A job's options as the add script takes them: one JSON array of strings in this order
+#: (its payload travels beside it, as it is: see lua/add.lua). ``idem_key`` is the index of
+#: the job's idempotency key among the script's KEYS ('0': none); '' is "none" for the
+#: optional ones.
+ADDED = (
+    "name",
+    "priority",
+    "delay_ms",
+    "max_attempts",
+    "backoff",
+    "timeout_ms",
+    "max_stalls",
+    "tokens",
+    "budget",
+    "on_exhausted",
+    "correlation_id",
+    "idem_key",
+    "trace_context",
+    "job_id",
+)
+
+
 def lua_include() -> str:
     """The Lua include ``wire``: LEASED_FIELDS, LEASED (name -> 1-based offset in a job's
-    group) and KIND (lowercase member name -> byte)."""
+    group), KIND (lowercase member name -> byte) and ADDED (name -> 1-based offset in a job's
+    options)."""
     offsets = ", ".join(f"{name} = {i + 1}" for i, name in enumerate(LEASED))
     kinds = ", ".join(f"{kind.name.lower()} = '{kind.decode()}'" for kind in Kind)
+    added = ", ".join(f"{name} = {i + 1}" for i, name in enumerate(ADDED))
     return (
         "-- Generated from sluice/engine/wireformat.py when the scripts load: edit it there.\n"
         f"local LEASED_FIELDS = {LEASED_FIELDS}\n"
         f"local LEASED = {{{offsets}}}\n"
-        f"local KIND = {{{kinds}}}"
+        f"local KIND = {{{kinds}}}\n"
+        f"local ADDED = {{{added}}}"
     )
