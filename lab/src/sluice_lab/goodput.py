@@ -57,9 +57,9 @@ are the queue's own defaults unless the spec sets them: :class:`GoodputSpec`):
 * the queue's pacer (``tolerance_ms``; None turns it off): a sliding window
   alone admits a whole window's worth at once, so the first burst (as many
   calls as the workers have slots) comes back at every window turn; on a
-  2-core machine a burst of 64 calls reaches the provider over 100-1,000 ms
-  (HTTP clients and the provider share the CPUs), against 5-25 ms for calls
-  started evenly. The pacer starts them evenly (see Queue.set_pacing);
+  small machine a burst reaches the provider spread over far longer than
+  calls started evenly (HTTP clients and the provider share the CPUs). The
+  pacer starts them evenly (see Queue.set_pacing);
 * ``headroom``: the queue's headroom (Queue.set_pacing): ms added to the
   windows its logs count, about the spread of dispatch-to-arrival times; it
   costs ``headroom / window`` of the limit (3 % for 30 ms here, 0.05 % on a
@@ -68,9 +68,8 @@ are the queue's own defaults unless the spec sets them: :class:`GoodputSpec`):
   window (10 per 0.1 s for 100 per 1 s), the hand-made pacing from before
   the pacer (1: the provider's limit as it is).
 
-Measured on the 2-core development machine with 2,000 calls (another job
-using about one core), before the pacer: 394 calls got 429 at the exact
-limits, none paced in 10 steps with 25 ms of headroom (goodput 97 %).
+The figures of runs are in benchmarks/results (HISTORY.md and
+docs/decisions/0006, 0007).
 """
 
 from __future__ import annotations

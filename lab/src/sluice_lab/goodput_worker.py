@@ -82,9 +82,8 @@ class ProviderRateLimited(Exception):
 class _Clients:
     """Per event loop: one Redis client, and HTTP clients lent one per call in flight.
 
-    One shared httpx client serves dozens of concurrent calls badly: on the
-    2-core benchmark machine its connection pool cost about 8 ms of CPU per
-    call at 64 at once, against about 3 ms with a client per call in flight,
+    One shared httpx client serves dozens of concurrent calls badly: its
+    connection pool costs more CPU per call than a client per call in flight,
     and that queueing showed as dispatch-to-arrival jitter. So each call
     borrows a client (with its one kept-alive connection) and gives it back.
     """

@@ -29,9 +29,9 @@ async def drain(run: _Run) -> dict[str, Any]:
     """``drain_rounds`` pairs of drains, each with the store then the engine alone.
 
     The pair's ratio is the figure: both of its drains run within a minute, on
-    the machine as it is then. Single pairs ranged from 0.38 to 0.67 within an
-    hour on this VM (its neighbours' load moved the engine alone's rate from
-    15,000 to 26,000 jobs/s), so the median of several pairs is what a verdict
+    the machine as it is then. Single pairs vary widely on a shared VM (its
+    neighbours' load moves the engine alone's rate; benchmarks/results/HISTORY.md
+    has the figures), so the median of several pairs is what a verdict
     rests on; the median pair's drains are reported in full, every pair's
     ratio with them.
     """
@@ -152,9 +152,9 @@ _COMPLETED = text("SELECT count(*) FROM job_states WHERE tenant = :t AND status 
 async def _store_completed(run: _Run, tenant: str, queue_name: str) -> int:
     """How many of the drain's jobs the store shows COMPLETED; 0 while it holds any unfinished.
 
-    Counting them at every poll is what the drain measured first: a count
-    that visits up to 100,000 rows, 20 times a second, took 60-80 ms each
-    (8.8 s of PostgreSQL's time in a 20 s drain, billed to the store). So
+    Counting them at every poll is what the drain did first: a count that
+    visits every row of the drain, many times a second, put a large share of
+    PostgreSQL's time on the store's bill. So
     the poll asks whether any job is unfinished, and counts only once none is.
     """
     async with run.db.engine.connect() as conn:

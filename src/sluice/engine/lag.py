@@ -12,8 +12,8 @@ For each attempt the worker takes one sample: from the dispatch (Redis's
 clock, the leasing call's ``now``) to the moment the handler sends its
 request (:meth:`JobContext.note_sent`, which Sluice's providers call). A
 handler that never says gives none: its start is no measure (the first
-version took it, and 64 warm-up jobs leased at once before any limit was set
-measured 500 ms of "spread", which then slowed the paced calls that
+version took it, and warm-up jobs leased at once before any limit was set
+gave a large false "spread", which then slowed the paced calls that
 followed). The two clocks are
 brought together by the dispatch replies themselves: the smallest
 ``received - now`` seen lately is this host's offset from Redis's clock plus

@@ -62,7 +62,7 @@ KEEP_1M_MS = 3_900_000
 #: The longest window each resolution answers (a window covers up to one bucket more).
 MAX_WINDOW_10S_MS = 360_000
 MAX_WINDOW_1M_MS = 3_780_000
-#: (bin, count) pairs per flush script call: bounded work (about 1 ms of Redis).
+#: (bin, count) pairs per flush script call: bounded work (a short call, whatever was seen).
 FLUSH_PAIRS = 256
 #: How often a worker flushes.
 FLUSH_INTERVAL = 1.0

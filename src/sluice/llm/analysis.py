@@ -290,7 +290,7 @@ def make_handler(
                     "ConfigurationError: no LLM model is configured; set SLUICE_LLM_MODEL (or AI_MODEL)"
                 )
             try:
-                # Off the loop: the first count of a process loads the tokenizer (up to 0.4 s).
+                # Off the loop: the first count of a process loads the tokenizer (slow).
                 prompt = await asyncio.to_thread(prompt_tokens, messages, provider=chosen.name, model=use)
             except ConfigurationError as exc:
                 raise PermanentError(f"ConfigurationError: {exc}") from exc

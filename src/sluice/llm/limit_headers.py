@@ -27,8 +27,8 @@ FALLBACK_RETRY_AFTER = 1.0
 #: believed (FALLBACK_RETRY_AFTER); a real one of a few ms is, within this floor: the queue
 #: pauses that long, and repeated 429s make its pacers run slower for a while
 #: (docs/architecture.md, "After a 429"), so a provider that keeps saying "retry in 1 ms"
-#: costs a few calls, not a storm.
-#: (It was 0.5 s, which cost a paced queue about half a second of its limit per 429.)
+#: costs a few calls, not a storm. (A longer floor costs a paced queue that much of its
+#: limit per 429.)
 MIN_RETRY_AFTER = 0.025
 #: The longest pause one 429 gets: the whole queue stops for it, so one absurd header
 #: (``retry-after: 1e12``) must not stop it for days. A limit still exhausted after this many

@@ -28,10 +28,10 @@ best guess that could fall short:
   headroom only, because settlement refunds the reservation down to the
   usage reported.
 
-Loading an encoding takes 0.2-0.4 s, so it happens lazily, once per process,
-under a lock (:func:`preload` does it ahead of time, e.g. at worker start,
-off the event loop). Counting a 2 KB prompt then takes about 0.15 ms, 1 MB of
-prose about 0.05-0.1 s. Texts over 100 000 characters are counted in pieces cut
+Loading an encoding takes a noticeable fraction of a second, so it happens
+lazily, once per process, under a lock (:func:`preload` does it ahead of time,
+e.g. at worker start, off the event loop); counting after that is cheap, and
+grows with the text. Texts over 100 000 characters are counted in pieces cut
 where the count cannot change (tiktoken's regex panics on a whitespace run of
 about a million characters); a stretch that long with no such cut is bounded
 by its UTF-8 bytes instead of counted.
@@ -171,7 +171,7 @@ def load_encoding(name: str, *, path: str | os.PathLike[str] | None = None) -> t
     """The tiktoken ``Encoding`` ``name`` ("cl100k_base" or "o200k_base"), built from a rank file.
 
     Without ``path`` the file shipped in Sluice is used, and the encoding is built once per
-    process and shared (concurrent first calls wait for one build, since it takes 0.2-0.4 s).
+    process and shared (concurrent first calls wait for one build, since it is slow).
     With ``path`` (a gzipped ``.tiktoken`` file) a new encoding is built each call and nothing is
     cached: that is for checking another copy of the file.
 
@@ -198,7 +198,8 @@ def load_encoding(name: str, *, path: str | os.PathLike[str] | None = None) -> t
 
 def preload(*names: str) -> None:
     """Load encodings now (default: both) rather than on the first count, e.g. when a worker
-    starts; it blocks for up to 0.4 s each, so call it from a thread when a loop is running."""
+    starts; it blocks for a fraction of a second each, so call it from a thread when a loop
+    is running."""
     for name in names or tuple(_DEFINITIONS):
         load_encoding(name)
 
@@ -303,8 +304,9 @@ def _count_text(encoding: tiktoken.Encoding, text: str, segment: int = _SEGMENT_
     letters (neither pattern lets a piece run across them, and neither looks behind). So the sum
     of the pieces' counts equals the count of the whole. This keeps every call into tiktoken
     short: its regex engine gives up with a panic on a whitespace run of ~1 M characters, and
-    a single unbroken run takes ~0.5 s per MB. A stretch longer than ``segment`` with no such
-    position is counted as its UTF-8 bytes, which no byte-level BPE exceeds.
+    a single unbroken run is slow to encode, more so the longer it is. A stretch longer than
+    ``segment`` with no such position is counted as its UTF-8 bytes, which no byte-level BPE
+    exceeds.
     """
     if len(text) <= segment:
         return len(encoding.encode_ordinary(text)), True

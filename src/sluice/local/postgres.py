@@ -62,7 +62,7 @@ SOCKET_ONLY_PORT = 5432
 _MAX_SOCKET_PATH = 100
 #: Database names we create: no quoting surprises in SQL, URLs or shells.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
-#: Settings of a server whose data may be lost in an OS crash (tests): no fsync, 3-5x faster writes.
+#: Settings of a server whose data may be lost in an OS crash (tests): no fsync, much faster writes.
 _NOT_DURABLE = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 
 

@@ -1,10 +1,9 @@
 """The fast lane: an ordinary job submission answered without FastAPI's per-request machinery.
 
-At 1,500 submissions/s on two cores, FastAPI's routing, dependency solving
-and response building cost about as much CPU as accepting the job itself
-(a profile of ``POST /jobs``: ``solve_dependencies`` alone 13 % of the API
-process, the whole framework about half). Submissions are the one hot path,
-so they get a lane of their own, in front of the routes:
+At a high submission rate, FastAPI's routing, dependency solving and response
+building cost about as much CPU as accepting the job itself (a profile of
+``POST /jobs``; docs/decisions/0016 has the figures). Submissions are the one
+hot path, so they get a lane of their own, in front of the routes:
 
 * it takes only the ordinary case: ``POST`` to ``/jobs``, ``/v1/jobs`` or
   ``/enqueue`` with a JSON body the route's model accepts and a key the

@@ -261,10 +261,11 @@ class Intake:
         """The intake's own connection, kept between batches.
 
         The pool checks a connection each time it lends one (two round trips),
-        which at a batch per request or two was most of a submission's time
-        and a fifth of its CPU. A connection the server closed is noticed
-        (asyncpg sees its socket close) and replaced; one that broke unnoticed
-        fails one batch, whose requests get an error, and is replaced.
+        which at a batch per request or two dominated a submission's time and
+        took a large share of its CPU (docs/decisions/0016 has the figures). A
+        connection the server closed is noticed (asyncpg sees its socket close)
+        and replaced; one that broke unnoticed fails one batch, whose requests
+        get an error, and is replaced.
         """
         if self._conn is not None and not self._conn.is_closed():
             return self._conn
@@ -294,8 +295,8 @@ class Intake:
     async def _write_batches(self, conn: Any) -> bool:
         """Each batch stored, then added to the engine, then answered, until none waits; False
         when one could not be stored. (Overlapping a batch's INSERT with the last one's add
-        was measured: smaller batches, 5 % more CPU per job in the API and 15 % in
-        PostgreSQL, and no lower latency.)"""
+        was tried: smaller batches, more CPU per job in the API and in PostgreSQL, and no
+        lower latency.)"""
         while self._pending:
             batch = self._take()
             try:

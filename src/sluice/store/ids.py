@@ -4,8 +4,8 @@ A job's id is the primary key of ``jobs`` and half of ``job_attempts``'s.
 Random (version 4) ids land anywhere in those indexes, so every insert and
 every new row version the sink writes touches a page of its own, and after
 each checkpoint writes that page whole into the WAL. Ids that grow with time
-keep a batch's entries together at the index's right edge: measured on the
-drain of 100,000 jobs, PostgreSQL's CPU per job fell from 54 to 42 µs.
+keep a batch's entries together at the index's right edge, where they share
+pages, so far fewer pages are written whole per job (docs/decisions/0014 has the figures).
 
 The other 74 bits are random (``os.urandom``), so ids stay unguessable; what
 they give away is the millisecond the job was made, which the API answers

@@ -164,10 +164,11 @@ class JobStore:
 
         The service's intake groups the submissions that arrive together into
         one call: one round trip and one commit for all of them, where the ORM
-        path costs a few milliseconds of CPU per job. Raw asyncpg with arrays
-        (``unnest``), so the statement is the same whatever the batch size and
-        is prepared once per connection. A key used twice in one batch, or by
-        a concurrent call, names one job: the first (committed) one.
+        path costs far more CPU per job (docs/decisions/0016 has the figures).
+        Raw asyncpg with arrays (``unnest``), so the statement is the same
+        whatever the batch size and is prepared once per connection. A key used
+        twice in one batch, or by a concurrent call, names one job: the first
+        (committed) one.
         """
         if not news:
             return []

@@ -120,8 +120,8 @@ def by_job(p: Patch) -> str:
 
 async def write(db: Database, patches: list[Patch]) -> None:
     """One transaction, three statements whatever the batch's size: every column as an
-    array (``unnest``), through asyncpg itself. Row by row (executemany) cost PostgreSQL
-    about a millisecond of CPU per job, the whole budget of a fast drain."""
+    array (``unnest``), through asyncpg itself. Row by row (executemany) costs PostgreSQL
+    a statement per job, more CPU than a fast drain has to spend."""
     now = datetime.now(UTC)
     rows = (
         [p.job for p in patches],
@@ -142,10 +142,10 @@ async def write(db: Database, patches: list[Patch]) -> None:
         async with raw.transaction():
             # Each row by its primary key, and by nothing else (a job id names one job in
             # one queue). Left to itself, PostgreSQL joins a batch's thousands of ids by
-            # hashing the whole table (a sequential scan per batch: 124 ms of a
-            # 2,500-job batch at 100,000 rows, 15 ms by the index), a cost that grows with
-            # the table; and a condition on the queue, whose rows its statistics had not
-            # seen yet, once made it read every row of the queue per id instead.
+            # hashing the whole table (a sequential scan per batch, many times the index's
+            # cost), a cost that grows with the table; and a condition on the queue, whose
+            # rows its statistics had not seen yet, once made it read every row of the queue
+            # per id instead.
             # The same for the attempts: never a scan of the table for a batch of keys.
             await raw.execute(
                 "SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off; "

@@ -57,10 +57,10 @@ class JobRow(Base):
     What changes as the job runs is in :class:`JobStateRow`, a narrow row of
     its own. A transition used to rewrite this whole row and add an entry to
     each of its indexes, none of whose keys it changed (PostgreSQL cannot
-    update a row in place when an indexed column, here ``status``, changes):
-    at a million jobs that cost PostgreSQL 67 µs of CPU per drained job, and
-    26.7 µs with the state apart (``benchmarks/store_writes.py``; migration
-    0008 has the figures).
+    update a row in place when an indexed column, here ``status``, changes),
+    a cost per transition that grows with the row and its indexes
+    (``benchmarks/store_writes.py``; migration 0008 and docs/decisions/0012
+    have the figures).
     """
 
     __tablename__ = "jobs"

@@ -135,8 +135,8 @@ class TransitionSink:
         self.batch = batch
         self.block_ms = block_ms
         #: after a batch well short of ``batch``, wait this long (s) for more events: reading
-        #: them as they trickle in cost three round trips per event or two (at 1,500
-        #: submissions/s, a quarter of an API process), for a store at most this much later
+        #: them as they trickle in cost three round trips per event or two (a large share of a
+        #: busy API process; docs/decisions/0011), for a store at most this much later
         self.linger = linger
         #: an earlier version's numbered id -> the store id (None: not a job of the API's)
         self._legacy: dict[bytes, str | None] = {}
@@ -165,8 +165,8 @@ class TransitionSink:
 
         One sink applies at a time. Two would share the stream's entries, so the
         events of one job would reach both, and their transactions would wait on
-        each other's row locks (and deadlock, in opposite orders): measured, the
-        store kept up at a fraction of the rate of one sink. The lease lasts
+        each other's row locks (and deadlock, in opposite orders), so the store would
+        keep up at a fraction of the rate of one sink. The lease lasts
         ``LEASE_MS`` and is renewed by every step; another API process's sink
         takes over when it lapses, and claims the dead one's pending entries.
         """
@@ -218,8 +218,8 @@ class TransitionSink:
         until one returns 0 leave every event applied and acknowledged.
 
         The next batch is read and folded while the last one is written, so that
-        the sink's Python and PostgreSQL work at once (measured: the drain's store
-        rate was their sum's inverse). Writes stay in order, one at a time.
+        the sink's Python and PostgreSQL work at once (one after the other, the store's
+        rate is bounded by the inverse of their sum). Writes stay in order, one at a time.
         """
         if not self._group_ready:
             await self.ensure_group()
@@ -264,7 +264,7 @@ class TransitionSink:
         read of one counter per consumer); only another's are looked into, in
         its own list, by idle time. ``XAUTOCLAIM`` scanned the whole group's
         list instead, this sink's batch in flight included, while Redis served
-        nobody: 21 ms a look during a drain.
+        nobody, a cost that grows with the group's pending entries.
         """
         redis, key = self.queue.redis, self.queue.keys.events
         summary: Any = await redis.xpending(key, GROUP)

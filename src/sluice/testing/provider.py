@@ -370,8 +370,8 @@ def serve_provider(
 
     It runs in a process of its own, as a remote provider would: in a thread
     of the caller's process it shared the caller's GIL and garbage collector,
-    and a collection in a test run (a large heap) held calls up for 100-250 ms,
-    which showed as network jitter. Leaving the block stops it (SIGTERM, then
+    and a collection in a test run (a large heap) held calls up long enough
+    to show as network jitter. Leaving the block stops it (SIGTERM, then
     SIGKILL after a few seconds). ``api_key``, ``models``, ``embedding_dimensions``:
     see :class:`ServerOptions`.
     """

@@ -2,7 +2,7 @@
 the end of a block.
 
 In a thread of the caller's process a server shared the caller's GIL and garbage collector, and
-a collection in a test run (a large heap) held calls up for 100-250 ms, which showed as network
+a collection in a test run (a large heap) held calls up long enough to show as network
 jitter; a process of its own answers as a remote provider would.
 """
 
