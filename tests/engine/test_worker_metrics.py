@@ -307,7 +307,14 @@ async def test_llm_inference_jobs_move_the_provider_and_cache_series_and_grafana
             await api.svc.queue.set_global_concurrency(100)
             made = await api.client.post("/v1/budgets", json={"name": "team", "limit": 1000})
             assert made.status_code == 201, made.text
-            api_text = (await api.client.get("/metrics", headers={"accept": PROMETHEUS})).text
+
+            async def exposed_with_latency() -> str | None:
+                # The latency histograms come from the bins the worker flushes about once a
+                # second: wait for the flush of the last jobs' rather than race it.
+                text = (await api.client.get("/metrics", headers={"accept": PROMETHEUS})).text
+                return text if "sluice_job_end_to_end_seconds_bucket" in text else None
+
+            api_text = await eventually(exposed_with_latency, timeout=10, interval=0.2)
     assert first["cacheHit"] is False and again["cacheHit"] is True
     assert bypass["cacheHit"] is False and missed["cacheHit"] is False
     assert total(found, "sluice_provider_calls_total", outcome="ok") == 3
