@@ -35,6 +35,7 @@ from redis.asyncio import Redis
 from sluice import JobContext, JobState, Queue, Worker, current_job
 from sluice.testing import running_worker
 from tests.cli.test_cli import invoke
+from tests.conftest import eventually
 from tests.harness.proc_harness import REPO
 
 DOC = REPO / "docs" / "using.md"
@@ -153,8 +154,10 @@ async def test_the_worker_hooks_example(redis: Redis, prefix: str) -> None:
     assert isinstance(worker, Worker)
     worker.configure(prefix=prefix)
     # The client lives as long as the worker runs, in its state, and is closed after
+    queue = Queue(worker.queue_name, redis=redis, prefix=prefix)
     async with running_worker(worker, redis):
-        await asyncio.sleep(0.05)
+        # Stopped once it serves (its heartbeat is written), not while its connections open.
+        await eventually(queue.workers, timeout=10, interval=0.02)
         client = worker.state["http"]
         assert not client.is_closed
     assert "http" not in worker.state
