@@ -97,7 +97,7 @@ def test_percentiles_within_one_percent_of_exact(dist: object) -> None:
 
 
 async def test_windows_drop_old_buckets(queue: Queue, redis: Redis) -> None:
-    recorder = LatencyRecorder(queue.keys, queue.scripts)
+    recorder = LatencyRecorder(queue.core)
     now = await queue_now_ms(queue)
     recorder.add("processing", 100, now - 10 * 60_000)  # ten minutes ago
     recorder.add("processing", 300, now - 20_000)
@@ -139,7 +139,7 @@ async def test_cumulative_bins_are_kept_per_priority_for_32_priorities_then_shar
 ) -> None:
     """Each priority has its own cumulative bins (the per-priority histograms), up to 32;
     the priorities seen after those share 'other', so an exporter reads a bounded number."""
-    recorder = LatencyRecorder(queue.keys, queue.scripts)
+    recorder = LatencyRecorder(queue.core)
     now = await queue_now_ms(queue)
     for p in range(40):
         for _ in range(p % 3 + 1):
@@ -147,7 +147,7 @@ async def test_cumulative_bins_are_kept_per_priority_for_32_priorities_then_shar
     assert await recorder.flush() == 33  # one call per priority label: 32, then 'other'
     assert await redis.scard(queue.keys.latency_priorities) == 32
     # another process that sees other priorities first: Redis's set is full, they go to 'other'
-    late = LatencyRecorder(queue.keys, queue.scripts)
+    late = LatencyRecorder(queue.core)
     late.add("processing", 5.0, now, priority=99)
     await late.flush()
     assert await redis.scard(queue.keys.latency_priorities) == 32
@@ -163,7 +163,7 @@ async def test_cumulative_bins_are_kept_per_priority_for_32_priorities_then_shar
 
 
 async def test_a_flush_is_split_into_bounded_calls(queue: Queue, redis: Redis) -> None:
-    recorder = LatencyRecorder(queue.keys, queue.scripts)
+    recorder = LatencyRecorder(queue.core)
     now = await queue_now_ms(queue)
     distinct = 2 * FLUSH_PAIRS + 100
     for key in range(distinct):
@@ -224,7 +224,7 @@ async def test_two_worker_processes_share_the_bins(
 async def test_cli_and_api_answer_the_same(redis_url: str, sluice_database_url: str, prefix: str) -> None:
     async with running_service(redis_url, sluice_database_url, prefix) as api:
         q = api.svc.queue
-        recorder = LatencyRecorder(q.keys, q.scripts)
+        recorder = LatencyRecorder(q.core)
         now = await queue_now_ms(q)
         rng = random.Random(3)
         for _ in range(500):

@@ -202,7 +202,7 @@ async def test_each_gate_that_refuses_is_counted_once_per_dispatch_call(api: Run
 
 async def test_the_histograms_hold_the_sketchs_counts_within_the_bucket_edge_error(api: Running) -> None:
     queue = api.svc.queue
-    recorder = LatencyRecorder(queue.keys, queue.scripts)
+    recorder = LatencyRecorder(queue.core)
     now = await queue_now_ms(queue)
     # Durations on and around the edges (ms, as the workers measure them), and far apart.
     durations = [0.0, 1.0, 2.0, 5.0, 9.9, 10.0, 10.1, 24.6, 25.0, 99.0, 100.0, 250.0, 999.0, 1000.0]

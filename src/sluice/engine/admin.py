@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from sluice.engine.clock import queue_now_ms
 from sluice.engine.job import JobRecord, JobState
 from sluice.engine.keys import check_job_id
 from sluice.engine.sketch import (
@@ -210,7 +209,7 @@ class QueueAdmin:
         Redis by the next heartbeat of any worker.
         """
         k = self.keys
-        now = await queue_now_ms(self)
+        now = await self._core.now_ms()
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(k.workers)
             pipe.zrange(k.alive, 0, -1, withscores=True)
@@ -251,7 +250,7 @@ class QueueAdmin:
         dead). ``now`` (ms) replaces Redis's clock (tests).
         """
         window_ms = int(window_seconds * 1000)
-        at = now if now is not None else await queue_now_ms(self)
+        at = now if now is not None else await self._core.now_ms()
         per_metric = [bucket_keys(self.keys, metric, at, window_ms) for metric in METRICS]
         async with self.redis.pipeline(transaction=False) as pipe:
             for keys in per_metric:
@@ -270,7 +269,7 @@ class QueueAdmin:
         """Percentiles per bucket over the last ``window_seconds`` (up to 3,780): one point
         per 10 s up to 6 min, per minute above; what a chart of the tail over time needs.
         A bucket still filling (the last one) is included; one without samples has count 0."""
-        at = now if now is not None else await queue_now_ms(self)
+        at = now if now is not None else await self._core.now_ms()
         res, size, numbers = buckets(at, int(window_seconds * 1000))
         async with self.redis.pipeline(transaction=False) as pipe:
             for metric in METRICS:
@@ -327,11 +326,7 @@ class QueueAdmin:
             await self._check_dead(ids, "only dead jobs can be redriven")
         moved = 0
         for chunk in _chunks(ids, ADMIN_CHUNK):
-            k = self.keys
-            codes = await self.scripts.redrive(
-                keys=[k.dead, k.waiting, k.events, k.wake, *(k.job(i) for i in chunk)],
-                args=[self.events_maxlen, *chunk],
-            )
+            codes = await self._core.run(self._core.commands.redrive(chunk))
             # A job that left the dead set since the check (another redrive) is skipped.
             moved += sum(code == 1 for code in codes)
         return moved
@@ -357,10 +352,7 @@ class QueueAdmin:
             check_job_id(job_id)
         removed = 0
         for chunk in _chunks(ids, ADMIN_CHUNK):
-            removed += await self.scripts.purge(
-                keys=[self.keys.dead, self.keys.reservation_prefix, *(self.keys.job(i) for i in chunk)],
-                args=chunk,
-            )
+            removed += await self._core.run(self._core.commands.purge(chunk))
         return removed
 
     async def _all_dead(self) -> list[str]:

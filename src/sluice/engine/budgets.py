@@ -36,7 +36,6 @@ from sluice.engine.budget_state import (
     stored_rid,
     window_args,
 )
-from sluice.engine.clock import queue_now_ms, script_now
 from sluice.engine.job import MAX_TOKENS
 from sluice.engine.transport import reads, writes
 from sluice.errors import BudgetError, BudgetExists, BudgetNotFound
@@ -181,7 +180,7 @@ class Budgets:
         for name in names:
             if not is_rate_budget(name):  # the token-rate windows' budgets, named '#...'
                 check_budget_name(name)
-        raw = await self._core.scripts.budget_read(keys=self._keys.flow, args=[script_now(now), *names])
+        raw = await self._core.run(self._core.commands.budget_read(names, now=now))
         return [state_of(name, raw[i * 14 : (i + 1) * 14]) for i, name in enumerate(names)]
 
     @reads
@@ -190,7 +189,7 @@ class Budgets:
         somewhere that outlives Redis; :meth:`restore` makes one again from its copy."""
         if not names:
             return []
-        at = await queue_now_ms(self._core)
+        at = await self._core.now_ms()
         states = await self._states(names, at)
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in names:
@@ -229,21 +228,22 @@ class Budgets:
         parent before its children (BudgetNotFound names a missing parent).
         """
         check_budget_name(copy.name)
-        code = await self._core.scripts.budget_restore(
-            keys=self._keys.flow,
-            args=[
-                script_now(now),
-                copy.name,
-                copy.limit,
-                copy.win,
-                copy.win_ms,
-                copy.parent or "",
-                copy.at_ms,
-                copy.used,
-                copy.credit,
-                copy.credit_p,
-                max(charged_since, 0),
-            ],
+        code = await self._core.run(
+            self._core.commands.budget_restore(
+                [
+                    copy.name,
+                    copy.limit,
+                    copy.win,
+                    copy.win_ms,
+                    copy.parent or "",
+                    copy.at_ms,
+                    copy.used,
+                    copy.credit,
+                    copy.credit_p,
+                    max(charged_since, 0),
+                ],
+                now=now,
+            )
         )
         if code == -2:
             raise BudgetNotFound(copy.parent or "")
@@ -282,10 +282,15 @@ class Budgets:
         check_reservation_id(reservation_id)
         if isinstance(hold, bool) or not isinstance(hold, int | float) or not 1 <= hold <= MAX_HOLD:
             raise BudgetError(f"hold must be from 1 to {MAX_HOLD:g} seconds, got {hold!r}")
-        code, remaining, refusing = await self._core.scripts.reserve(
-            keys=[*self._keys.flow, self._keys.held],
-            args=[script_now(now), name, tokens, stored_rid(reservation_id), job_id, round(hold * 1000)],
+        call = self._core.commands.reserve(
+            now=now,
+            name=name,
+            tokens=tokens,
+            reservation=stored_rid(reservation_id),
+            job_id=job_id,
+            hold_ms=round(hold * 1000),
         )
+        code, remaining, refusing = await self._core.run(call)
         if code == -1:
             raise BudgetNotFound(refusing.decode())
         if code == -5:
@@ -392,9 +397,7 @@ class Budgets:
         when you know the provider was never called. An id that is not held any
         more is left as it is (its state is in the answer).
         """
-        k = self._keys
-        keys = [*k.flow, k.held, k.wake]
-        at = script_now(now)
+        commands = self._core.commands
         out: list[Settlement] = []
         if ids is None:
             if refund:
@@ -402,7 +405,7 @@ class Budgets:
                     "refund=True needs the ids of the holds to refund; expired holds are unknown outcomes"
                 )
             while True:
-                raw = await self._core.scripts.sweep(keys=keys, args=[at, "unknown"])
+                raw = await self._core.run(commands.sweep(now=now, how="unknown"))
                 out += settlements_of(raw)
                 if len(raw) < 4 * SWEEP_MAX:
                     return out
@@ -411,16 +414,13 @@ class Budgets:
         how = "refund" if refund else "unknown"
         for i in range(0, len(ids), SWEEP_MAX):
             chunk = [stored_rid(rid) for rid in ids[i : i + SWEEP_MAX]]
-            out += settlements_of(await self._core.scripts.sweep(keys=keys, args=[at, how, *chunk]))
+            out += settlements_of(await self._core.run(commands.sweep(now=now, how=how, reservations=chunk)))
         return out
 
     async def _settle(self, rid: str, how: str, tokens: int, now: int | None) -> Settlement:
         check_reservation_id(rid)
-        at = script_now(now)
-        state, changed, charged, beyond = await self._core.scripts.settle(
-            keys=[*self._keys.flow, self._keys.wake, self._keys.events, self._keys.held],
-            args=[at, stored_rid(rid), how, tokens, self._core.events_maxlen],
-        )
+        call = self._core.commands.settle(now=now, reservation=stored_rid(rid), how=how, tokens=tokens)
+        state, changed, charged, beyond = await self._core.run(call)
         return Settlement(rid, state.decode(), bool(changed), int(charged), int(beyond))
 
     async def _change(
@@ -458,23 +458,17 @@ class Budgets:
         now: int | None,
         op_id: str = "",
     ) -> list[Any]:
-        k = self._keys
-        q = self._core
-        at = script_now(now)
-        reply: list[Any] = await q.scripts.budget_put(
-            keys=[*k.flow, k.waiting, k.wake, k.job_prefix, k.events, k.budget_ops_prefix],
-            args=[
-                at,
-                name,
-                op,
-                tokens,
-                win,
-                win_ms,
-                parent,
-                q.events_maxlen,
-                MAX_TOKENS,
-                op_id,
-                OP_ID_KEEP_MS,
-            ],
+        call = self._core.commands.budget_put(
+            now=now,
+            name=name,
+            op=op,
+            tokens=tokens,
+            win=win,
+            win_ms=win_ms,
+            parent=parent,
+            max_tokens=MAX_TOKENS,
+            op_id=op_id,
+            op_id_keep_ms=OP_ID_KEEP_MS,
         )
+        reply: list[Any] = await self._core.run(call)
         return reply

@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from sluice.engine.keys import QueueKeys
-    from sluice.engine.scripts import Scripts
+
+class _Core(Protocol):
+    async def now_ms(self) -> int: ...
 
 
 class QueueLike(Protocol):
-    """What :func:`queue_now_ms` needs of a queue (or of its core)."""
+    """What :func:`queue_now_ms` needs of a queue: its core (sluice.engine.core)."""
 
     @property
-    def scripts(self) -> Scripts: ...
-    @property
-    def keys(self) -> QueueKeys: ...
+    def core(self) -> _Core: ...
 
 
 _test_clock: Callable[[], int] | None = None
@@ -62,9 +60,12 @@ def script_now(now: int | None) -> int | str:
     return REDIS_CLOCK if _test_clock is None else _test_clock()
 
 
+def fixed_now() -> int | None:
+    """The test clock's time, or None when none is set (Redis's clock rules)."""
+    return None if _test_clock is None else _test_clock()
+
+
 async def queue_now_ms(queue: QueueLike) -> int:
     """Redis's clock on the server that holds ``queue``, in ms (one round trip; the test
     clock if one is set)."""
-    if _test_clock is not None:
-        return _test_clock()
-    return int(await queue.scripts.now(keys=[queue.keys.control], args=[REDIS_CLOCK]))
+    return await queue.core.now_ms()

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from sluice.engine.budget_state import TOKEN_RATE_BUDGET, BudgetState, token_cap_budget
 from sluice.engine.budgets import Budgets
-from sluice.engine.clock import queue_now_ms
 from sluice.engine.job import MAX_TOKENS
 from sluice.engine.transport import reads, writes
 from sluice.engine.windows import (
@@ -264,7 +263,7 @@ class FlowControl:
         args: list[str | int] = [kind, which, int(bool(refund))]
         for ms, limit in windows:
             args += [ms, limit]
-        reply: list[int] = await self.scripts.pace(keys=self._pace_keys(), args=args)
+        reply: list[int] = await self._core.run(self._core.commands.pace(args))
         return [int(v) for v in reply]
 
     @writes
@@ -291,7 +290,7 @@ class FlowControl:
         """
         tolerance = "off" if tolerance_ms is None else _pacing_ms("tolerance_ms", tolerance_ms)
         headroom = _pacing_ms("headroom_ms", headroom_ms)
-        await self.scripts.pace(keys=self._pace_keys(), args=["pacing", tolerance, headroom])
+        await self._core.run(self._core.commands.pace(["pacing", tolerance, headroom]))
 
     @writes
     async def follow_provider(self, enabled: bool = True) -> None:
@@ -311,10 +310,6 @@ class FlowControl:
             await self.redis.hdel(self.keys.control, "follow")
         else:
             await self.redis.hset(self.keys.control, "follow", 0)
-
-    def _pace_keys(self) -> list[str]:
-        k = self.keys
-        return [k.control, k.budget_prefix + TOKEN_RATE_BUDGET, k.wake, k.budget_prefix, k.budget_log_prefix]
 
     @writes
     async def pause(self) -> None:
@@ -340,14 +335,14 @@ class FlowControl:
             await self.redis.hdel(self.keys.control, "throttled_until")
             await self._wake()
         else:
-            until = await queue_now_ms(self) + round(seconds * 1000)
+            until = await self._core.now_ms() + round(seconds * 1000)
             await self.redis.hset(self.keys.control, "throttled_until", until)
 
     @reads
     async def flow(self, *, now: int | None = None) -> FlowState:
         """The flow controls as set, and how full their windows are now."""
         k = self.keys
-        t = now if now is not None else await queue_now_ms(self)
+        t = now if now is not None else await self._core.now_ms()
         raw: dict[bytes, bytes] = await self.redis.hgetall(k.control)  # type: ignore[assignment]
         c = {key.decode(): value.decode() for key, value in raw.items()}
         rate_ms = int(c["rate_ms"]) if "rate_ms" in c else None

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sluice.engine.clock import script_now as _clock
+from sluice.engine.commands import Outcome
 from sluice.engine.transport import writes
 from sluice.engine.wireformat import LEASED_FIELDS
 
@@ -23,10 +23,6 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from sluice.engine.core import QueueCore
-
-#: One finished attempt as the worker reports it: (job id, token, kind (a
-#: wireformat.Kind), value, retry in ms from now (kind FAILED), tokens used or -1).
-Outcome = tuple[str, bytes, bytes, bytes, int, int]
 
 __all__ = ["LEASED_FIELDS", "Outcome", "StepReply", "WorkerProtocol"]
 
@@ -86,10 +82,14 @@ class WorkerProtocol:
         after, ms); ``retry_in_ms`` is how long a FAILED retry waits (from the script's
         now), and tokens_used -1 when not reported (see lua/includes/finish.lua). Returns the
         per-outcome codes, the next due time (ms on Redis's clock, or -1) and the leased jobs
-        as flat groups of LEASED_FIELDS values (engine/wireformat.py). See :meth:`step_command`
-        for ``request_id``.
+        as flat groups of LEASED_FIELDS values (engine/wireformat.py).
+
+        ``request_id`` (unique per call of this worker) makes the call safe to send again
+        when its reply was lost: sent again with the same id, it is answered from what it
+        did the first time instead of being run twice. The worker's pump sends this call on
+        a connection of its own (``core.commands.dispatch``, see pump.py).
         """
-        keys, args = self.step_command(
+        call = self._core.commands.dispatch(
             now=now,
             want=want,
             lease_ms=lease_ms,
@@ -97,49 +97,7 @@ class WorkerProtocol:
             outcomes=outcomes,
             request_id=request_id,
         )
-        return StepReply.parse(await self._core.scripts.dispatch(keys=keys, args=args))
-
-    def step_command(
-        self,
-        *,
-        now: int | None = None,
-        want: int,
-        lease_ms: int,
-        worker_id: str,
-        outcomes: Sequence[Outcome] = (),
-        request_id: str = "",
-    ) -> tuple[list[str], list[Any]]:
-        """The KEYS and ARGV of one dispatch call, for callers that send it themselves.
-
-        The worker's pump does: it owns a connection of its own for this one
-        script (see pump.py), and parses the answer with :meth:`StepReply.parse`.
-        ``request_id`` (unique per call of this worker) makes the call safe to
-        send again when its reply was lost: sent again with the same id, it is
-        answered from what it did the first time instead of being run twice.
-        """
-        k = self.keys
-        q = self._core
-        keys = [k.waiting, k.delayed, k.active, k.events, k.stats, k.wake, k.job_prefix, k.dead, *k.flow]
-        keys += (k.calls, k.epoch, k.retention, k.finished_prefix)
-        args: list[Any] = [
-            _clock(now),
-            want,
-            lease_ms,
-            worker_id,
-            q.events_maxlen,
-            q.event_result_max_bytes,
-            len(outcomes),
-            request_id,
-        ]
-        job_prefix = k.job_prefix
-        for outcome in outcomes:
-            if len(outcome) != 6:
-                raise ValueError(
-                    f"an outcome is (job id, token, kind, value, retry in ms, tokens used), got {outcome!r}"
-                )
-            keys.append(job_prefix + outcome[0])
-            args += outcome
-        return keys, args
+        return StepReply.parse(await self._core.run(call))
 
     @writes
     async def extend(
@@ -148,41 +106,19 @@ class WorkerProtocol:
         """Renew leases; per job 1 renewed, 2 renewed but cancel requested, 0 lost, -1 gone."""
         if not leases:
             return []
-        keys = [self.keys.active, *(self.keys.job(job_id) for job_id, _ in leases)]
-        args: list[Any] = [_clock(now), lease_ms]
-        for job_id, token in leases:
-            args += (job_id, token)
-        return list(await self._core.scripts.extend(keys=keys, args=args))
+        return list(
+            await self._core.run(self._core.commands.extend(now=now, lease_ms=lease_ms, leases=leases))
+        )
 
     @writes
     async def reap(self, *, now: int | None = None, limit: int = 200) -> tuple[int, int]:
         """Return expired leases to waiting (or dead); returns (returned, dead-lettered)."""
-        k = self.keys
-        q = self._core
-        back, dead = await q.scripts.reap(
-            keys=[
-                k.active,
-                k.waiting,
-                k.dead,
-                k.events,
-                k.stats,
-                k.wake,
-                k.job_prefix,
-                *k.flow,
-                k.retention,
-                k.finished_prefix,
-            ],
-            args=[_clock(now), limit, q.events_maxlen],
-        )
+        back, dead = await self._core.run(self._core.commands.reap(now=now, limit=limit))
         return int(back), int(dead)
 
     @writes
     async def trim(self, *, now: int | None = None, limit: int = 200) -> tuple[int, bool]:
         """Forget up to ``limit`` finished jobs past the queue's retention, oldest first;
         returns (jobs forgotten, whether more are due)."""
-        k = self.keys
-        forgotten, more = await self._core.scripts.trim(
-            keys=[k.retention, k.finished_prefix, k.dead, k.job_prefix, k.reservation_prefix],
-            args=[_clock(now), limit],
-        )
+        forgotten, more = await self._core.run(self._core.commands.trim(now=now, limit=limit))
         return int(forgotten), bool(more)

@@ -273,7 +273,7 @@ class Pump:
         loop = asyncio.get_running_loop()
         sent = loop.time()
         try:
-            keys, args = self.queue.protocol.step_command(
+            _, keys, args = self.queue.core.commands.dispatch(
                 want=call.want,
                 lease_ms=self.lease_ms,
                 worker_id=self.wid,

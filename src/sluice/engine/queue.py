@@ -16,14 +16,12 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from sluice.engine import tracehooks
 from sluice.engine.admin import QueueAdmin
 from sluice.engine.backoff import DEFAULT_BACKOFF, Backoff
 from sluice.engine.budgets import Budgets
-from sluice.engine.clock import script_now
 from sluice.engine.codec import JSONValue, decode, encode_limited
+from sluice.engine.commands import Commands
 from sluice.engine.connection import adopt, blocking_client, connect
 from sluice.engine.core import QueueCore
 from sluice.engine.events import Event, ResultWaiter, follow
@@ -153,6 +151,12 @@ class Queue:
             self.keys,
             self.redis,
             self.scripts,
+            Commands(
+                self.keys,
+                events_maxlen=events_maxlen,
+                event_result_max_bytes=event_result_max_bytes,
+                idempotency_ttl_ms=self.idempotency_ttl_ms,
+            ),
             self.max_payload_bytes,
             self.idempotency_ttl_ms,
             self.events_maxlen,
@@ -322,21 +326,7 @@ class Queue:
         return options, payload
 
     async def _add_chunk(self, specs: Sequence[JobSpec], encoded: list[tuple[list[str], bytes]]) -> list[Job]:
-        k = self.keys
-        keys = [k.seq, k.waiting, k.delayed, k.events, k.wake, k.stats, k.job_prefix, k.budget_prefix]
-        fixed = len(keys)
-        idem_index: dict[str, int] = {}
-        args: list[Any] = [script_now(None), self.events_maxlen, self.idempotency_ttl_ms, len(specs)]
-        for spec, (options, payload) in zip(specs, encoded, strict=True):
-            index = 0
-            if spec.idempotency_key is not None:
-                index = idem_index.get(spec.idempotency_key, 0)
-                if not index:
-                    keys.append(k.idem(spec.idempotency_key))
-                    index = idem_index[spec.idempotency_key] = len(keys) - fixed
-            args.append(orjson.dumps([*options, str(index), spec.trace_context or "", spec.job_id or ""]))
-            args.append(payload)
-        reply = await self.scripts.add(keys=keys, args=args)
+        reply = await self.core.run(self.core.commands.add(specs, encoded))
         if reply and reply[0] == -1:
             raise _no_budget(reply[1].decode())
         return [Job(self, reply[i].decode(), reply[i + 1] == 1) for i in range(0, len(reply), 2)]
@@ -466,20 +456,7 @@ class Queue:
         self._check_id(job_id)
         if ahead:
             check_caller_id(job_id)
-        k = self.keys
-        code, _state = await self.scripts.cancel(
-            keys=[
-                k.job(job_id),
-                k.waiting,
-                k.delayed,
-                k.events,
-                k.stats,
-                k.parked_prefix,
-                k.retention,
-                k.finished_prefix,
-            ],
-            args=[script_now(None), job_id, self.events_maxlen, "1" if ahead else ""],
-        )
+        code, _state = await self.core.run(self.core.commands.cancel(job_id, ahead=ahead))
         if code == -1:
             raise JobNotFound(job_id)
         return bool(code > 0)

@@ -124,7 +124,7 @@ class QueueRetention:
     @reads
     async def retention(self) -> dict[str, Retention]:
         """Every kind's limits as they apply now (stored ones, else the defaults)."""
-        raw: list[Any] = await self.scripts.retention(keys=[self.keys.retention], args=[])
+        raw: list[Any] = await self._core.run(self._core.commands.retention())
         out: dict[str, Retention] = {}
         for i in range(0, len(raw), 3):
             kind = raw[i].decode() if isinstance(raw[i], bytes) else str(raw[i])

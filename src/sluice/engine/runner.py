@@ -54,7 +54,7 @@ class Runner:
         #: what providers' answers said of their limits, for the queue's gates
         self.provider_view = ProviderView()
         #: latency bins of finished attempts, flushed about once a second (engine/sketch.py)
-        self.latency = LatencyRecorder(queue.keys, queue.scripts)
+        self.latency = LatencyRecorder(queue.core)
         self.attempts = Attempts(
             config,
             handlers,

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from functools import cache
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sluice.engine import wireformat
 from sluice.errors import ConfigurationError
@@ -28,6 +28,8 @@ from sluice.errors import ConfigurationError
 if TYPE_CHECKING:
     from redis.asyncio import Redis
     from redis.commands.core import AsyncScript
+
+    from sluice.engine.commands import Call
 
 _INCLUDE = re.compile(r"^--\s*@include\s+([A-Za-z0-9_]+)\s*$", re.MULTILINE)
 
@@ -136,3 +138,8 @@ class Scripts:
         self.pace: AsyncScript = redis.register_script(source("pace"))
         self.lag: AsyncScript = redis.register_script(source("lag"))
         self.observe: AsyncScript = redis.register_script(source("observe"))
+
+    async def run(self, call: Call) -> Any:
+        """Send one call (sluice.engine.commands builds them) with EVALSHA."""
+        script: AsyncScript = getattr(self, call.script)
+        return await script(keys=call.keys, args=call.args)

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from sluice.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from sluice.engine.core import QueueCore
     from sluice.engine.keys import QueueKeys
-    from sluice.engine.scripts import Scripts
 
 #: The relative accuracy of every percentile reported.
 RELATIVE_ACCURACY = 0.01
@@ -174,9 +174,8 @@ def bucket_keys(keys: QueueKeys, metric: str, now_ms: int, window_ms: int) -> li
 class LatencyRecorder:
     """A worker process's bins, by (metric, 10 s bucket, priority), until they are flushed."""
 
-    def __init__(self, keys: QueueKeys, scripts: Scripts) -> None:
-        self.keys = keys
-        self.scripts = scripts
+    def __init__(self, core: QueueCore) -> None:
+        self._core = core
         self._bins: dict[tuple[str, int, str], dict[str, int]] = {}
         #: the priorities given labels of their own here: past MAX_PRIORITIES the rest are
         #: 'other', so a flush makes a bounded number of calls whatever producers send
@@ -212,22 +211,21 @@ class LatencyRecorder:
         applied: sending it again could count twice)."""
         taken, self._bins = self._bins, {}
         calls = 0
+        commands = self._core.commands
         for (metric, index, priority), bins in taken.items():
-            short = _SHORT[metric]
-            keys = [
-                self.keys.latency(short, "10s", index),
-                self.keys.latency(short, "1m", index * BUCKET_10S_MS // BUCKET_1M_MS),
-                self.keys.latency_total(short, priority),
-                self.keys.latency_total(short, OTHER_PRIORITIES),
-                self.keys.latency_priorities,
-            ]
             pairs = list(bins.items())
             for start in range(0, len(pairs), FLUSH_PAIRS):
                 chunk = pairs[start : start + FLUSH_PAIRS]
-                args: list[Any] = [KEEP_10S_MS, KEEP_1M_MS, priority]
-                for field, count in chunk:
-                    args += (field, count)
-                await self.scripts.latency(keys=keys, args=args)
+                call = commands.latency(
+                    _SHORT[metric],
+                    bucket_10s=index,
+                    bucket_1m=index * BUCKET_10S_MS // BUCKET_1M_MS,
+                    priority=priority,
+                    other=OTHER_PRIORITIES,
+                    keep_ms=(KEEP_10S_MS, KEEP_1M_MS),
+                    bins=chunk,
+                )
+                await self._core.run(call)
                 calls += 1
                 self.flushed += sum(c for _, c in chunk)
         self.calls += calls

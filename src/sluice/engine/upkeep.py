@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from sluice.engine.clock import script_now
 from sluice.engine.lag import REPORT_TTL_MS, SOON_INTERVAL_S
 from sluice.engine.retrying import TRANSIENT, pause_after, reraise_if_cancelled
 from sluice.engine.sketch import FLUSH_INTERVAL
@@ -100,11 +99,10 @@ class Upkeep:
     async def heartbeat(self, *, leaving: bool = False) -> None:
         """Say this worker is alive (or leaving); it counts as gone after two silent leases."""
         description = orjson.dumps({"names": sorted(self.names), "concurrency": self.config.concurrency})
-        k = self.keys
-        await self.queue.scripts.heartbeat(
-            keys=[k.workers, k.alive, k.calls],
-            args=[script_now(None), self.wid, description[:-1], 2 * self.lease_ms, 1 if leaving else 0],
+        call = self.queue.core.commands.heartbeat(
+            self.wid, description[:-1], 2 * self.lease_ms, leaving=leaving
         )
+        await self.queue.core.run(call)
 
     async def _renew(self) -> None:
         # A handler told to stop keeps its lease until it has ended (a slow wind-down
@@ -212,9 +210,8 @@ class Upkeep:
                 if report is not None:
                     await self.report_lag(report)
                 if seen:
-                    await self.queue.scripts.observe(
-                        keys=self.keys.flow, args=[script_now(None), *(a for r in seen for a in r.args())]
-                    )
+                    core = self.queue.core
+                    await core.run(core.commands.observe(a for r in seen for a in r.args()))
             except TRANSIENT as exc:
                 reraise_if_cancelled()
                 # The next report says it again; until then the last one holds.
@@ -224,9 +221,7 @@ class Upkeep:
 
     async def report_lag(self, report: tuple[float, float] | None) -> None:
         """Report (lowest, highest) dispatch-to-send delay (ms), or withdraw with None."""
-        k = self.keys
         lo, hi = report if report is not None else (0.0, 0.0)
-        await self.queue.scripts.lag(
-            keys=[k.control, k.lags, k.budget_prefix, k.budget_log_prefix],
-            args=[script_now(None), self.wid, f"{lo:.3f}", f"{hi:.3f}", REPORT_TTL_MS, int(report is None)],
-        )
+        core = self.queue.core
+        call = core.commands.lag(self.wid, f"{lo:.3f}", f"{hi:.3f}", REPORT_TTL_MS, withdraw=report is None)
+        await core.run(call)

@@ -121,7 +121,7 @@ class SyncDispatch:
     """
 
     def __init__(self, queue: Queue, *, lease_ms: int, worker_id: str) -> None:
-        self._protocol = queue.protocol
+        self._commands = queue.core.commands
         self._script = queue.scripts.dispatch
         self._lease_ms = lease_ms
         self._worker_id = worker_id
@@ -136,7 +136,7 @@ class SyncDispatch:
 
     def finish(self, outcomes: Sequence[Outcome]) -> list[int]:
         """Record ``outcomes`` and take no job; returns the script's code per outcome."""
-        keys, args = self._protocol.step_command(
+        _, keys, args = self._commands.dispatch(
             want=0, lease_ms=self._lease_ms, worker_id=self._worker_id, outcomes=outcomes
         )
         command = (len(keys), *keys, *args)
