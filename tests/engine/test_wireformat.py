@@ -42,11 +42,27 @@ def test_the_model_reads_the_reply_in_the_same_order() -> None:
 
 def test_the_scripts_name_what_they_write() -> None:
     # No bare offset into a leased job's group, and no bare outcome kind in code.
+    # The generated include lays them out; what the scripts write by hand names them.
     text = source("dispatch")
     assert "Generated from sluice/engine/wireformat.py" in text
-    code = "\n".join(line.split("--")[0] for line in text.splitlines())
+    generated = re.search(r"-- begin include wire\n.*?-- end include wire", text, re.DOTALL)
+    assert generated is not None
+    written = text.replace(generated.group(0), "")
+    code = "\n".join(line.split("--")[0] for line in written.splitlines())
     assert not re.search(r"out\[n \+ \d+\]", code)
     assert not re.search(r"kind\s*[=~]=\s*'[a-z]'", code)
+    # One read of a leasable record, and no field of it by a bare number.
+    assert "'payload'" not in code and "read_leasable(" in code
+    assert not re.search(
+        r"\bf\[\d+\]", code.split("local function admit_job")[1].split("local function take_jobs")[0]
+    )
+
+
+def test_every_leased_value_has_one_source() -> None:
+    assert set(wire.LEASED_GIVEN) | set(wire.LEASED_FROM) == set(LEASED)
+    assert not set(wire.LEASED_GIVEN) & set(wire.LEASED_FROM)
+    assert {source for source, _ in wire.LEASED_FROM.values()} <= set(wire.LEASE_READ)
+    assert {how for _, how in wire.LEASED_FROM.values()} <= {"read", "or_empty", "count"}
 
 
 def test_kinds_are_bytes_on_the_wire() -> None:
@@ -54,6 +70,19 @@ def test_kinds_are_bytes_on_the_wire() -> None:
     assert [bytes(k) for k in Kind] == [b"c", b"f", b"p", b"o", b"r", b"x", b"t"]
     assert {b"c": "completed"}[Kind.COMPLETED] == "completed"
     assert len({k.value for k in Kind}) == len(Kind)
+
+
+async def test_a_damaged_records_leased_values_stay_in_their_places(queue: Queue) -> None:
+    # A record edited by hand (no budget field, a negative estimate) still gives a full
+    # group: '' for the absent field and 0 tokens, never a hole that shifts the rest.
+    job = await queue.add("work", {"n": 1}, tokens=5)
+    await queue.redis.hset(queue.keys.job(job.id), "tokens", "-3")
+    await queue.redis.hdel(queue.keys.job(job.id), "budget", "cid")
+    reply = await step(queue, 1_000, want=1)
+    assert len(reply.jobs) == LEASED_FIELDS
+    f = reply.jobs
+    assert f[wire.ID].decode() == job.id and f[wire.TOKENS] == 0
+    assert f[wire.BUDGET] == b"" and f[wire.CORRELATION_ID] == b"" and f[wire.PRIORITY] == b"0"
 
 
 async def test_a_leased_job_reads_by_name(queue: Queue) -> None:

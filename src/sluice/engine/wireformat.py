@@ -60,6 +60,51 @@ LEASED = (
 )
 LEASED_FIELDS = len(LEASED)
 
+#: What dispatch reads of a job it may lease, with one HMGET (``read_leasable`` in the
+#: include; ``R.<field>`` is a field's place in its answer): the record fields of the leased
+#: group and those the gates and the replay of a lost reply look at.
+LEASE_READ = (
+    "name",
+    "payload",
+    "max_attempts",
+    "timeout_ms",
+    "backoff",
+    "created",
+    "attempt",
+    "token",
+    "tokens",
+    "budget",
+    "on_ex",
+    "score",
+    "parked",
+    "cid",
+    "due",
+    "trace",
+    "priority",
+    "state",
+)
+
+#: How the include's ``put_leased`` fills each leased value the script does not give
+#: itself (id, token and attempt, which a lease makes anew): the record field it comes
+#: from and how: as read (always set by add), '' when absent, or a count (a whole number
+#: >= 0 even in a hand-edited record, which must not credit a budget).
+LEASED_FROM = {
+    "name": ("name", "read"),
+    "payload": ("payload", "read"),
+    "max_attempts": ("max_attempts", "read"),
+    "timeout_ms": ("timeout_ms", "read"),
+    "backoff": ("backoff", "read"),
+    "created": ("created", "read"),
+    "tokens": ("tokens", "count"),
+    "budget": ("budget", "or_empty"),
+    "correlation_id": ("cid", "or_empty"),
+    "due": ("due", "or_empty"),
+    "trace_context": ("trace", "or_empty"),
+    "priority": ("priority", "or_empty"),
+}
+#: The leased values a lease makes, passed to ``put_leased`` in this order.
+LEASED_GIVEN = ("id", "token", "attempt")
+
 # 0-based offsets into one job's group (plain ints: the runner reads them once per job).
 ID = LEASED.index("id")
 TOKEN = LEASED.index("token")
@@ -100,17 +145,37 @@ ADDED = (
 )
 
 
+def _put(field: str) -> str:
+    if field in LEASED_GIVEN:
+        return field
+    source, how = LEASED_FROM[field]
+    read = f"f[{LEASE_READ.index(source) + 1}]"
+    if how == "count":
+        return f"math.max(math.floor(tonumber({read}) or 0), 0)"
+    return read if how == "read" else f"({read} or '')"
+
+
 def lua_include() -> str:
     """The Lua include ``wire``: LEASED_FIELDS, LEASED (name -> 1-based offset in a job's
-    group), KIND (lowercase member name -> byte) and ADDED (name -> 1-based offset in a job's
-    options)."""
+    group), KIND (lowercase member name -> byte), ADDED (name -> 1-based offset in a job's
+    options), R (field -> its place in read_leasable's answer), read_leasable(job key) and
+    put_leased(out, f, id, token, attempt), which appends one leased group to a reply."""
     offsets = ", ".join(f"{name} = {i + 1}" for i, name in enumerate(LEASED))
     kinds = ", ".join(f"{kind.name.lower()} = '{kind.decode()}'" for kind in Kind)
     added = ", ".join(f"{name} = {i + 1}" for i, name in enumerate(ADDED))
+    read = ", ".join(f"{name} = {i + 1}" for i, name in enumerate(LEASE_READ))
+    fields = ", ".join(f"'{name}'" for name in LEASE_READ)
+    puts = "\n".join(f"  out[n + {i + 1}] = {_put(name)}" for i, name in enumerate(LEASED))
     return (
         "-- Generated from sluice/engine/wireformat.py when the scripts load: edit it there.\n"
         f"local LEASED_FIELDS = {LEASED_FIELDS}\n"
         f"local LEASED = {{{offsets}}}\n"
         f"local KIND = {{{kinds}}}\n"
-        f"local ADDED = {{{added}}}"
+        f"local ADDED = {{{added}}}\n"
+        f"local R = {{{read}}}\n"
+        f"local function read_leasable(jk) return redis.call('HMGET', jk, {fields}) end\n"
+        "local function put_leased(out, f, id, token, attempt)\n"
+        "  local n = #out\n"
+        f"{puts}\n"
+        "end"
     )

@@ -47,26 +47,9 @@ local function replay(K, rec, now, epoch)
   out[#out + 1] = epoch
   for i = 1, #rec.l, 2 do
     local id, token = rec.l[i], rec.l[i + 1]
-    local f = redis.call('HMGET', K.jobp .. id, 'state', 'token', 'name', 'payload', 'attempt',
-                         'max_attempts', 'timeout_ms', 'backoff', 'created', 'tokens', 'budget', 'cid',
-                         'due', 'trace', 'priority')
-    if f[1] == 'active' and f[2] == token then
-      local n = #out
-      out[n + LEASED.id] = id
-      out[n + LEASED.token] = tonumber(token)
-      out[n + LEASED.name] = f[3]
-      out[n + LEASED.payload] = f[4]
-      out[n + LEASED.attempt] = tonumber(f[5])
-      out[n + LEASED.max_attempts] = f[6]
-      out[n + LEASED.timeout_ms] = f[7]
-      out[n + LEASED.backoff] = f[8]
-      out[n + LEASED.created] = f[9]
-      out[n + LEASED.tokens] = math.max(math.floor(tonumber(f[10]) or 0), 0)
-      out[n + LEASED.budget] = f[11] or ''
-      out[n + LEASED.correlation_id] = f[12] or ''
-      out[n + LEASED.due] = f[13] or ''
-      out[n + LEASED.trace_context] = f[14] or ''
-      out[n + LEASED.priority] = f[15] or ''
+    local f = read_leasable(K.jobp .. id)
+    if f[R.state] == 'active' and f[R.token] == token then
+      put_leased(out, f, id, tonumber(token), tonumber(f[R.attempt]))
     end
   end
   return out

@@ -295,7 +295,7 @@ end
 local function admit_job(K, G, jk, id, f, score, now, C)
   -- A hand-edited record must not credit budgets (negative) or leave a
   -- charge that never expires (fractional).
-  local tokens = math.max(math.floor(tonumber(f[9]) or 0), 0)
+  local tokens = math.max(math.floor(tonumber(f[R.tokens]) or 0), 0)
   local levels = {}
   local tpm = G.tpm
   if tpm then
@@ -326,7 +326,7 @@ local function admit_job(K, G, jk, id, f, score, now, C)
       return 'block', wait
     end
   end
-  local budget = f[10]
+  local budget = f[R.budget]
   if budget then
     local chain, missing = cached_chain(K, G, budget, now)
     if not chain then
@@ -343,8 +343,8 @@ local function admit_job(K, G, jk, id, f, score, now, C)
       for i = 1, #chain do
         if chain[i].behind then return 'block', now end
       end
-      if f[11] == 'wait' then
-        park_job(K, G, jk, id, f[12] or score, refusing, tokens, f[13], now)
+      if f[R.on_ex] == 'wait' then
+        park_job(K, G, jk, id, f[R.score] or score, refusing, tokens, f[R.parked], now)
       else
         reject_job(K, jk, id, 'budget ' .. refusing.name .. ' cannot admit ' .. tokens .. ' tokens ('
                    .. math.max(refusing.limit - refusing.used, 0) .. ' of ' .. refusing.limit
@@ -393,10 +393,8 @@ local function take_some(K, G, now, max_jobs, lease_ms, worker, out, C)
       examined = examined + 1
       local id = head[i]
       local jk = K.jobp .. id
-      local f = redis.call('HMGET', jk, 'name', 'payload', 'max_attempts', 'timeout_ms', 'backoff',
-                           'created', 'attempt', 'token', 'tokens', 'budget', 'on_ex', 'score',
-                           'parked', 'cid', 'due', 'trace', 'priority')
-      if not f[1] then
+      local f = read_leasable(jk)
+      if not f[R.name] then
         -- The record is gone (deleted by hand, or evicted): nothing to run.
         if gated then redis.call('ZREM', K.waiting, id) end
         C.orphaned = C.orphaned + 1
@@ -413,14 +411,14 @@ local function take_some(K, G, now, max_jobs, lease_ms, worker, out, C)
         if verdict == 'take' then
           -- Counters that do not parse (a record damaged by another writer) restart
           -- from zero rather than fail the whole call; the worker checks the rest.
-          local attempt = (tonumber(f[7]) or 0) + 1
-          local token = (tonumber(f[8]) or 0) + 1
+          local attempt = (tonumber(f[R.attempt]) or 0) + 1
+          local token = (tonumber(f[R.token]) or 0) + 1
           redis.call('HSET', jk, 'state', 'active', 'started', now, 'worker', worker,
                      'attempt', attempt, 'token', token)
-          if f[13] then redis.call('HDEL', jk, 'parked') end
+          if f[R.parked] then redis.call('HDEL', jk, 'parked') end
           if #levels > 0 then
             local rid = id .. ':' .. token
-            reserve(K, rid, id, levels, math.max(math.floor(tonumber(f[9]) or 0), 0), now)
+            reserve(K, rid, id, levels, math.max(math.floor(tonumber(f[R.tokens]) or 0), 0), now)
             redis.call('HSET', jk, 'rid', rid)
             examined = examined + 2 * #levels -- a reservation costs about twice a plain lease
           end
@@ -433,27 +431,12 @@ local function take_some(K, G, now, max_jobs, lease_ms, worker, out, C)
             if G.pace then G.tat_req = pace_next(G, G.tat_req, 1, G.rate_win, G.rate_max) end
           end
           if G.tpm and G.pace then
-            G.tat_tok = pace_next(G, G.tat_tok, math.max(math.floor(tonumber(f[9]) or 0), 0), G.tpm.win_ms,
-                                  G.tpm.limit)
+            local need = math.max(math.floor(tonumber(f[R.tokens]) or 0), 0)
+            G.tat_tok = pace_next(G, G.tat_tok, need, G.tpm.win_ms, G.tpm.limit)
           end
           if G.pace and (G.rate_max or G.tpm) then G.paced = true end
           emit(K.events, K.maxlen, 'active', id, 'worker', worker, 'attempt', attempt, 'token', token)
-          local n = #out
-          out[n + LEASED.id] = id
-          out[n + LEASED.token] = token
-          out[n + LEASED.name] = f[1]
-          out[n + LEASED.payload] = f[2]
-          out[n + LEASED.attempt] = attempt
-          out[n + LEASED.max_attempts] = f[3]
-          out[n + LEASED.timeout_ms] = f[4]
-          out[n + LEASED.backoff] = f[5]
-          out[n + LEASED.created] = f[6]
-          out[n + LEASED.tokens] = math.max(math.floor(tonumber(f[9]) or 0), 0)
-          out[n + LEASED.budget] = f[10] or ''
-          out[n + LEASED.correlation_id] = f[14] or ''
-          out[n + LEASED.due] = f[15] or ''
-          out[n + LEASED.trace_context] = f[16] or ''
-          out[n + LEASED.priority] = f[17] or ''
+          put_leased(out, f, id, token, attempt)
           taken = taken + 1
         end
       end
