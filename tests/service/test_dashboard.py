@@ -16,8 +16,9 @@ import pytest
 
 from sluice.engine.queue import Queue
 from sluice.engine.sketch import LatencyRecorder, quantiles
+from sluice.service.burn import MIN_SPAN_SECONDS, BurnTracker
 from sluice.service.dashboard import STATIC, create_dashboard
-from sluice.service.live import MIN_SPAN_SECONDS, BurnTracker
+from sluice.service.live import sample_budgets
 from tests.harness.service_harness import Running, running_service
 
 
@@ -102,7 +103,7 @@ async def test_the_live_stream_counts_what_happens_while_it_runs(api: Running) -
     queue = api.svc.queue
     made = await api.client.post("/v1/budgets", json={"name": "team-a", "limit": 1000}, headers=admin)
     assert made.status_code == 201
-    await api.svc.burn.sample(api.svc)  # what the process's sampler does every 2 s
+    await sample_budgets(api.svc)  # what the process's sampler does every 2 s
 
     async def add_later() -> None:
         await asyncio.sleep(0.7)
@@ -137,7 +138,7 @@ async def test_the_latency_series_gives_each_bucket_its_own_percentiles(api: Run
     percentile of its own bucket's samples, and empty buckets are empty."""
     queue: Queue = api.svc.queue
     now = 1_796_000_000_000 - 1_796_000_000_000 % 10_000 + 5_000
-    recorder = LatencyRecorder(queue.keys, queue.scripts)
+    recorder = LatencyRecorder(queue.core)
     early = [float(v) for v in range(1, 201)]  # 1..200 ms, 60 s ago
     late = [1000.0 + 7 * v for v in range(50)]  # 1000..1343 ms, now
     for v in early:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -28,7 +29,7 @@ from sluice.errors import RedisUnavailable
 from sluice.llm import tokens
 from sluice.llm.cache import SemanticCache
 from sluice.llm.embedder import LocalEmbedder
-from sluice.service import errors
+from sluice.service import errors, live
 from sluice.service.config import ServiceSettings
 from sluice.service.context import Services, ServicesDep
 from sluice.service.dashboard import create_dashboard
@@ -110,7 +111,12 @@ def create_app(
             services: Services = app.state.services
             tasks = _background(services, stop) if settings.sink else []
             # Budgets' burn rates (the dashboard, GET /v1/budgets): sampled in every process.
-            tasks.append(asyncio.create_task(services.burn.run(services, stop), name="sluice-burn-rates"))
+            tasks.append(
+                asyncio.create_task(
+                    services.burn.run(functools.partial(live.budget_states, services), stop),
+                    name="sluice-burn-rates",
+                )
+            )
             # The tokenizer that counts llm-inference reservations loads in a thread, not on the
             # first submission's event loop (up to half a second).
             tasks.append(asyncio.create_task(_preload_tokenizer(settings), name="sluice-tokenizer"))

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
+from sluice.service.burn import BurnTracker
 from sluice.service.errors import ApiError
-from sluice.service.live import BurnTracker
 from sluice.service.pressure import PressureGauge
 from sluice.service.ratelimit import RateLimiter
 from sluice.store.keys import ApiKey, KeyStore, digest
@@ -47,7 +47,7 @@ class Services:
     key_cache: dict[str, tuple[ApiKey | None, float]] = field(default_factory=dict)
     #: what ``metrics.py`` keeps between scrapes (the budgets' names)
     metrics_cache: dict[str, Any] = field(default_factory=dict)
-    #: budgets' charged counters sampled over time: their burn rates (``live.py``)
+    #: budgets' charged counters sampled over time: their burn rates (``burn.py``)
     burn: BurnTracker = field(default_factory=BurnTracker)
     #: live streams open now (``routes_live.py``)
     live_streams: int = 0

@@ -130,4 +130,4 @@ async def stats_series(
 async def budgets(svc: ServicesDep, who: AdminDep) -> dict[str, Any]:
     """Every budget the store knows (at most 100), as it stands, with its burn rate (tokens
     charged per minute over the last minute) and, at that rate, when it runs out (admin)."""
-    return {"budgets": await svc.burn.sample(svc)}
+    return {"budgets": await live.sample_budgets(svc)}
