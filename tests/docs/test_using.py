@@ -38,11 +38,14 @@ from tests.cli.test_cli import invoke
 from tests.conftest import eventually
 from tests.harness.proc_harness import REPO
 
-# A Redis connection left open by an earlier test (its loop already closed) is collected at
-# some point of this module's run in the full suite, and pytest charges the ResourceWarning
-# to whichever test is running then; alone, every test here passes. The leak is being chased
-# (see CHANGELOG, issue 28); until then it must not fail these tests, which do not cause it.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# A Redis connection left open by an earlier test (its loop already closed) has been
+# collected during this module's run in the full suite a few times, and pytest charges the
+# ResourceWarning of its StreamWriter to whichever test runs then. A run that collects
+# garbage after every test of tests/cli and tests/docs (the tests before this module) found
+# none, so it depends on timing; until it is found, only that one warning passes here.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:Exception ignored in.*StreamWriter\.__del__:pytest.PytestUnraisableExceptionWarning"
+)
 
 DOC = REPO / "docs" / "using.md"
 
