@@ -250,8 +250,7 @@ class Attempts:
             if traced is not None:
                 tracehooks.close_attempt(traced, *outcomes.trace_name(ctx, outcome))
             if got is not None:
-                name, error = outcomes.trace_name(ctx, outcome)
-                after_attempt(hooks, ctx, AttemptEnd(name, error, time.monotonic() - job.started), got)
+                after_attempt(hooks, ctx, self._end(job, handler is not None, outcome), got)
         if outcome is not None:
             self.done.append((ctx.id, job.token, *outcome, ctx.usage))
         _ended_probe(job, outcome)
@@ -259,9 +258,16 @@ class Attempts:
             # After the outcome is queued: the watchdog always finds it in one place or the other.
             self.watchdog.unwatch(job)
 
+    @staticmethod
+    def _end(job: Running, registered: bool, outcome: outcomes.Result | None) -> AttemptEnd:
+        name, error = outcomes.trace_name(job.ctx, outcome)
+        seconds = time.monotonic() - job.started
+        return AttemptEnd(name, error, seconds, timed_out=job.timed_out_at is not None, registered=registered)
+
     def _ended(self, job: Running, _task: asyncio.Task[None]) -> None:
         """The job's task is done. Normally _execute has reported it; a task cancelled before
-        it first ran never entered _execute, and is reported here as stopped."""
+        it first ran never entered _execute, and is reported here as stopped (no hook saw it
+        begin, so none is told it ended)."""
         if self.running.get(job.ctx.id) is job:
             del self.running[job.ctx.id]
             outcome = outcomes.stopped(job.stop_reason)
