@@ -196,7 +196,8 @@ def worker(
         if metrics_port is not None or handoff is not None:
             _metrics(metrics_port, handoff)
         # Each worker process exports its own spans (a supervisor makes none).
-        tracing.configure(Settings.from_env())
+        if tracing.configure(Settings.from_env()):
+            _trace_attempts(w)
         structlog.get_logger("sluice.cli").info(
             "worker process",
             pid=os.getpid(),
@@ -206,6 +207,12 @@ def worker(
             worker_id=w.worker_id,
         )
         run(w.run(url))
+
+
+def _trace_attempts(w: Worker) -> None:
+    """Give the worker its attempts' spans, around its other hooks (unless its code did)."""
+    if not any(isinstance(hook, tracing.AttemptSpans) for hook in w.hooks):
+        w.add_hook(tracing.AttemptSpans(), outermost=True)
 
 
 def _metrics_mode(port: int | None, processes: int) -> str | None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from sluice.engine import outcomes, tracehooks
+from sluice.engine import outcomes
 from sluice.engine.codec import decode
 from sluice.engine.context import JobContext, set_current_job
 from sluice.engine.hooks import AttemptEnd, after_attempt, before_attempt
@@ -232,8 +232,7 @@ class Attempts:
         timer = None
         if job.timeout is not None:
             timer = asyncio.get_running_loop().call_later(job.timeout, self._time_out, job)
-        # Opened on this task, so that the handler's own spans are children of the attempt's.
-        traced = tracehooks.attempt_scope(ctx)
+        # On this task, just before the handler: a span a hook opens is the handler's parent.
         hooks = self.hooks
         got = before_attempt(hooks, ctx) if hooks else None
         outcome: outcomes.Result | None = None
@@ -247,8 +246,6 @@ class Attempts:
             if self.running.get(ctx.id) is job:
                 del self.running[ctx.id]
             self.kick.set()
-            if traced is not None:
-                tracehooks.close_attempt(traced, *outcomes.trace_name(ctx, outcome))
             if got is not None:
                 after_attempt(hooks, ctx, self._end(job, handler is not None, outcome), got)
         if outcome is not None:
