@@ -24,7 +24,7 @@ from sluice.engine.codec import decode
 from sluice.engine.context import JobContext, set_current_job
 from sluice.engine.hooks import AttemptEnd, after_attempt, before_attempt
 from sluice.engine.job import valid_trace_context
-from sluice.engine.outcomes import PERMANENT, RELEASED, metric_label, returned
+from sluice.engine.outcomes import PERMANENT, RELEASED, returned
 from sluice.engine.transport import describe
 from sluice.engine.wireformat import (
     ATTEMPT,
@@ -42,7 +42,6 @@ from sluice.engine.wireformat import (
     TRACE_CONTEXT,
 )
 from sluice.errors import CorruptJobError, Throttled
-from sluice.probes import probe
 
 if TYPE_CHECKING:
     from sluice.engine.handlers import Handler, Handlers
@@ -62,7 +61,6 @@ class Running:
     __slots__ = (
         "backoff",
         "ctx",
-        "label",
         "started",
         "stop_reason",
         "sync",
@@ -87,8 +85,6 @@ class Running:
         #: time.monotonic() at start, and when its timeout fired (then the outcome is a timeout)
         self.started = 0.0
         self.timed_out_at: float | None = None
-        #: the job type as metrics name it (set at start: 'unregistered' without a handler)
-        self.label = ctx.name
 
 
 class Attempts:
@@ -210,14 +206,8 @@ class Attempts:
         timeout = timeout_ms / 1000 if timeout_ms > 0 else self.default_timeout
         entry = self.handlers.entry(name)
         job = Running(ctx, f[TOKEN], timeout, f[BACKOFF], entry is not None and entry[1])
-        if entry is None:  # any string a producer sent: not a metric label
-            job.label = "unregistered"
         job.started = time.monotonic()
         self.running[job_id] = job
-        try:
-            probe().attempt_started(job.label)
-        except Exception:  # a metrics hook's own failure: the job runs all the same
-            log.exception("worker: the metrics probe failed on job %s's start", job_id)
         if self.watchdog is not None:
             # Watched from now: if another job blocks the loop before this one's task
             # first runs, a hard stop still releases it.
@@ -250,7 +240,6 @@ class Attempts:
                 after_attempt(hooks, ctx, self._end(job, handler is not None, outcome), got)
         if outcome is not None:
             self.done.append((ctx.id, job.token, *outcome, ctx.usage))
-        _ended_probe(job, outcome)
         if self.watchdog is not None:
             # After the outcome is queued: the watchdog always finds it in one place or the other.
             self.watchdog.unwatch(job)
@@ -270,7 +259,6 @@ class Attempts:
             outcome = outcomes.stopped(job.stop_reason)
             if outcome is not None:
                 self.done.append((job.ctx.id, job.token, *outcome, job.ctx.usage))
-            _ended_probe(job, outcome)
             self.kick.set()
         if self.watchdog is not None:
             self.watchdog.unwatch(job)
@@ -345,13 +333,3 @@ class Attempts:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait({future})
             return future.result()
-
-
-def _ended_probe(job: Running, outcome: outcomes.Result | None) -> None:
-    """Tell the metrics how the attempt ended. A probe that raises is logged, never lets the
-    attempt's outcome go unreported."""
-    label = metric_label(outcome, job.timed_out_at is not None, job.ctx.is_last_attempt)
-    try:
-        probe().attempt_ended(job.label, label, time.monotonic() - job.started)
-    except Exception:  # a metrics hook's own failure
-        log.exception("worker: the metrics probe failed on job %s's outcome", job.ctx.id)
