@@ -33,6 +33,7 @@ from sluice.llm.inference import inference_job
 from sluice.settings import ENV_REDIS_URL, Settings
 from sluice.testing.provider import serve_provider
 from sluice.testing.simulated_server import FAULTS_PATH, ProviderLimits
+from tests.conftest import running
 from tests.docs.test_using import block
 from tests.harness.otlp import Collector, Span, otlp_collector
 from tests.harness.proc_harness import REPO
@@ -379,20 +380,24 @@ async def test_submissions_written_in_one_batch_keep_their_own_traces(
 
 
 async def test_the_tracing_library_example(
-    queue: Queue, collector: Collector, monkeypatch: pytest.MonkeyPatch
+    queue: Queue, redis: Redis, prefix: str, collector: Collector, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # docs/using.md, Tracing: the program's own provider, its exporter configured by the variable
+    # docs/using.md, Tracing: the program's own provider, its exporter configured by the
+    # variable; its Worker (on the test's queue here) traces its attempts with a hook
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
     namespace: dict[str, Any] = {}
     exec(compile(block("tracing-library"), "docs/using.md", "exec"), namespace)  # noqa: S102 - the doc's code
     provider = namespace["provider"]
+    worker = namespace["worker"].configure(queue=queue.name, prefix=prefix)
     try:
         job_id = await namespace["summarize_later"](queue, "A long text to summarize.")
+        async with running(worker, redis):
+            assert await queue.job(job_id).result(timeout=10) == "A long text to summarize."
         provider.force_flush()
     finally:
         tracing.disable()
         provider.shutdown()
-    collector.wait_for(lambda spans: len(spans) >= 2)
+    collector.wait_for(lambda spans: len(spans) >= 4)
     request = one(collector.named("summarize request"))
     enqueue = one(collector.named("sluice.enqueue"))
     assert (enqueue.trace_id, enqueue.parent_id) == (request.trace_id, request.span_id)
@@ -400,6 +405,10 @@ async def test_the_tracing_library_example(
     record = await queue.get_job(job_id)
     assert record is not None and record.trace_context is not None
     assert record.trace_context.startswith(f"00-{enqueue.trace_id}-{enqueue.span_id}-")
+    attempt = one(collector.named(f"process {QUEUE}"))
+    assert (attempt.trace_id, attempt.parent_id) == (enqueue.trace_id, enqueue.span_id)
+    handler = one(collector.named("summarize"))
+    assert (handler.trace_id, handler.parent_id) == (attempt.trace_id, attempt.span_id)
 
 
 async def test_the_tracing_worker_example(
