@@ -1,17 +1,22 @@
-"""Where the engine and the LLM layer say what they did, for whoever listens.
+"""Where the LLM layer says what it did, for whoever listens: the running attempt's probe.
 
-The engine may import no metrics library, and the LLM layer may not import the service,
-yet ``sluice worker --metrics-port`` exports what both do in a worker process: busy slots,
-handler durations, provider calls, tokens, cost, cache lookups. So they report to the
-:class:`Probe` installed here, which does nothing unless the command line installs one
-that counts (``sluice.service.worker_metrics``). A call costs one attribute lookup and one
-method call when nothing listens.
+The LLM layer may not import the service, yet ``sluice worker --metrics-port`` exports what
+it does in a worker: provider calls, tokens, cost, cache lookups. So it reports to
+:func:`probe`, the :class:`Probe` a worker hook attached for the attempt
+(``sluice.service.worker_metrics.WorkerMetrics``, on the attempt's own task). It is held in
+a context variable, not a process global: it reaches the handler, the tasks it starts and
+a sync handler's thread (each gets a copy of the attempt's context), and each worker's
+attempts report to that worker's hook, not to whatever was installed last. Elsewhere (no
+attempt, or a worker without such a hook) the probe does nothing, and a call costs one
+context-variable read and one method call.
 
-A probe must not raise and must not block: it runs on the worker's event loop, inside the
-code it watches.
+A probe must not raise and must not block: it runs inside the code it watches, on the
+event loop or in a sync handler's thread.
 """
 
 from __future__ import annotations
+
+from contextvars import ContextVar, Token
 
 #: Outcomes of a provider call (``provider_call``).
 PROVIDER_OUTCOMES = ("ok", "throttled", "unavailable", "rejected", "error")
@@ -22,13 +27,7 @@ TOKEN_KINDS = ("prompt", "completion", "cached")
 
 
 class Probe:
-    """Listens to nothing: the default. Subclass it and :func:`install` the instance."""
-
-    def attempt_started(self, job_type: str) -> None:
-        """A handler got a slot."""
-
-    def attempt_ended(self, job_type: str, outcome: str, seconds: float) -> None:
-        """The attempt that :meth:`attempt_started` announced gave back its slot."""
+    """Listens to nothing: the default. Subclass it and :func:`attach` the instance."""
 
     def provider_call(self, provider: str, model: str, outcome: str) -> None:
         """One call to an LLM provider ended; ``outcome`` is one of :data:`PROVIDER_OUTCOMES`."""
@@ -44,15 +43,20 @@ class Probe:
 
 
 _NOTHING = Probe()
-_current: Probe = _NOTHING
+_attached: ContextVar[Probe] = ContextVar("sluice.probe", default=_NOTHING)
 
 
 def probe() -> Probe:
-    """The installed probe (a :class:`Probe` that does nothing when none was)."""
-    return _current
+    """The probe attached in this context (a :class:`Probe` that does nothing when none was)."""
+    return _attached.get()
 
 
-def install(listener: Probe | None) -> None:
-    """Make ``listener`` the process's probe; None puts back the one that does nothing."""
-    global _current  # noqa: PLW0603 - one per process, by design: the worker's metrics
-    _current = listener if listener is not None else _NOTHING
+def attach(listener: Probe) -> Token[Probe]:
+    """Make ``listener`` the probe of this context (an attempt's task, and what it starts)
+    until :func:`detach` is given the token, in the same context."""
+    return _attached.set(listener)
+
+
+def detach(token: Token[Probe]) -> None:
+    """Put back the probe that was attached before ``token``'s."""
+    _attached.reset(token)

@@ -114,3 +114,19 @@ async def test_a_sigterm_while_children_start_stops_every_one_of_them(
 
 async def _some_children(proc: WorkerProc, n: int) -> bool:
     return len(proc.children()) >= n
+
+
+def test_a_traced_worker_gets_one_attempt_spans_hook_around_its_own() -> None:
+    # With tracing on, `sluice worker` adds the attempts' spans outermost, unless the code did.
+    from sluice import Hook, Worker, tracing
+    from sluice.cli.worker_cmd import _trace_attempts
+
+    own = Hook()
+    w = Worker("q", hooks=[own])
+    _trace_attempts(w)
+    _trace_attempts(w)
+    assert [type(h) for h in w.hooks] == [tracing.AttemptSpans, Hook]
+    mine = tracing.AttemptSpans()
+    w = Worker("q", hooks=[own, mine])
+    _trace_attempts(w)
+    assert w.hooks == (own, mine)

@@ -89,19 +89,10 @@ def test_a_stopped_handler_reports_why() -> None:
         (None, 1, "lease_lost"),
     ],
 )
-def test_tracers_name_the_outcome(outcome: outcomes.Result | None, attempt: int, name: str) -> None:
+def test_hooks_see_the_outcome_named(outcome: outcomes.Result | None, attempt: int, name: str) -> None:
     got, error = outcomes.trace_name(ctx(attempt=attempt), outcome)
     assert got == name
     assert (error is not None) == (outcome is not None and outcome[0] in (Kind.FAILED, Kind.PERMANENT))
-
-
-def test_metrics_label_timeouts_and_last_failures() -> None:
-    failed = (Kind.FAILED, b"E", 0)
-    assert outcomes.metric_label(failed, timed_out=True, last_attempt=False) == "timed_out"
-    assert outcomes.metric_label(failed, timed_out=False, last_attempt=True) == "dead"
-    assert outcomes.metric_label(failed, timed_out=False, last_attempt=False) == "failed"
-    assert outcomes.metric_label((Kind.OVERRAN, b"", 0), timed_out=False, last_attempt=False) == "timed_out"
-    assert outcomes.metric_label(None, timed_out=False, last_attempt=False) == "lease_lost"
 
 
 def test_an_error_text_is_bounded() -> None:

@@ -14,9 +14,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -24,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 
-from sluice import Backoff, JobContext, JobState, Queue, Worker
+from sluice import AttemptEnd, Backoff, JobContext, JobState, Queue, Worker
 from sluice.engine.clock import queue_now_ms
 from sluice.engine.sketch import GAMMA, HISTOGRAM_EDGES, LatencyRecorder, histogram
 from sluice.local.embedded import free_port
@@ -401,7 +403,34 @@ def test_a_taken_metrics_port_is_one_line_that_says_what_to_do(
     assert list(scratch.iterdir()) == []  # the supervisor's folder is removed
 
 
-# ---- how attempts end, as the handler histogram labels them -----------------------------------------
+# ---- the metrics hook in this process -------------------------------------------------------------
+
+
+def _series() -> ModuleType:
+    """The worker series (imported on first use, as worker_metrics does: the mode is chosen)."""
+    from sluice.service import worker_series
+
+    return worker_series
+
+
+def _count(job_type: str, outcome: str) -> float:
+    labels = {"job_type": job_type, "outcome": outcome}
+    found = _series().REGISTRY.get_sample_value("sluice_worker_handler_duration_seconds_count", labels)
+    return found or 0.0
+
+
+def _busy() -> float:
+    return _series().REGISTRY.get_sample_value("sluice_worker_busy_slots") or 0.0
+
+
+class _Counts:
+    """The handler histogram's counts of some (job type, outcome) pairs, from a start."""
+
+    def __init__(self, *pairs: tuple[str, str]) -> None:
+        self.start = {pair: _count(*pair) for pair in pairs}
+
+    def added(self) -> dict[tuple[str, str], float]:
+        return {pair: _count(*pair) - n for pair, n in self.start.items()}
 
 
 async def test_a_timeout_and_a_last_failure_are_labelled_as_such(
@@ -410,11 +439,9 @@ async def test_a_timeout_and_a_last_failure_are_labelled_as_such(
     """A timed-out attempt is ``timed_out`` (the runner reports it as a failure), a failure
     with no attempt left ``dead``, an earlier one ``failed``: what the outcome was, as the
     trace's attempt span says it too."""
-    from sluice.probes import install
-    from sluice.service import worker_series
-    from sluice.service.worker_metrics import PrometheusProbe
+    from sluice.service.worker_metrics import WorkerMetrics
 
-    w = Worker("q", prefix=prefix, lease=5, hard_grace=5)
+    w = Worker("q", prefix=prefix, lease=5, hard_grace=5, hooks=[WorkerMetrics()])
 
     @w.handler
     async def sleepy(job: JobContext) -> None:
@@ -424,28 +451,149 @@ async def test_a_timeout_and_a_last_failure_are_labelled_as_such(
     async def boom(job: JobContext) -> None:
         raise RuntimeError("no")
 
-    def count(job_type: str, outcome: str) -> float:
-        labels = {"job_type": job_type, "outcome": outcome}
-        return (
-            worker_series.REGISTRY.get_sample_value("sluice_worker_handler_duration_seconds_count", labels)
-            or 0
-        )
-
-    before = {k: count(*k) for k in [("sleepy", "timed_out"), ("boom", "failed"), ("boom", "dead")]}
-    install(PrometheusProbe())
-    try:
-        async with running(w, redis):
-            slow = await queue.add("sleepy", timeout=0.2, max_attempts=1)
-            failing = await queue.add("boom", max_attempts=2, backoff=Backoff.fixed(0.05))
-            for job in (slow, failing):
-                await eventually(lambda job=job: _dead(queue, job.id), timeout=10)
-    finally:
-        install(None)
-    assert count("sleepy", "timed_out") - before[("sleepy", "timed_out")] == 1
-    assert count("boom", "failed") - before[("boom", "failed")] == 1
-    assert count("boom", "dead") - before[("boom", "dead")] == 1
+    counts = _Counts(("sleepy", "timed_out"), ("boom", "failed"), ("boom", "dead"))
+    async with running(w, redis):
+        slow = await queue.add("sleepy", timeout=0.2, max_attempts=1)
+        failing = await queue.add("boom", max_attempts=2, backoff=Backoff.fixed(0.05))
+        for job in (slow, failing):
+            await eventually(lambda job=job: _in_state(queue, job.id, JobState.DEAD), timeout=10)
+    assert counts.added() == {("sleepy", "timed_out"): 1, ("boom", "failed"): 1, ("boom", "dead"): 1}
 
 
-async def _dead(queue: Queue, job_id: str) -> bool:
+async def test_busy_slots_count_running_handlers_and_a_name_without_one_is_unregistered(
+    redis: Redis, prefix: str, queue: Queue
+) -> None:
+    from sluice.service.worker_metrics import WorkerMetrics
+
+    w = Worker("q", prefix=prefix, concurrency=4, hooks=[WorkerMetrics()])
+    gate = asyncio.Event()
+
+    @w.handler
+    async def held(job: JobContext) -> None:
+        await gate.wait()
+
+    @w.handler
+    def held_in_a_thread(job: JobContext) -> None:
+        while not gate.is_set() and not job.stop_requested:
+            time.sleep(0.01)
+
+    name = f"made-up-{uuid.uuid4().hex}"  # a producer's string: never a label
+    counts = _Counts(("held", "completed"), ("held_in_a_thread", "completed"), ("unregistered", "dead"))
+    idle = _busy()
+    async with running(w, redis):
+        jobs = [await queue.add("held"), await queue.add("held"), await queue.add("held_in_a_thread")]
+        await eventually(lambda: _now(_busy() - idle == 3))
+        unknown = await queue.add(name, max_attempts=1)
+        await eventually(lambda: _in_state(queue, unknown.id, JobState.DEAD))
+        assert _busy() - idle == 3  # the unregistered job came and went
+        gate.set()
+        for job in jobs:
+            await job.result(timeout=10)
+    assert _busy() == idle
+    assert counts.added() == {
+        ("held", "completed"): 2,
+        ("held_in_a_thread", "completed"): 1,
+        ("unregistered", "dead"): 1,
+    }
+    assert not any(name in str(labels) for labels in _label_sets())
+
+
+async def test_an_attempt_stopped_before_its_handler_ran_leaves_no_slot_busy(
+    redis: Redis, prefix: str, queue: Queue
+) -> None:
+    """Two jobs leased in one call; the first handler to run stops the worker at once, which
+    cancels the other's task before it ran. The one that ran counts as released; the other
+    took no slot, so none is left busy (the engine told its hooks nothing of it)."""
+    from sluice.service.worker_metrics import WorkerMetrics
+
+    w = Worker("q", prefix=prefix, concurrency=2, hooks=[WorkerMetrics()])
+    ran: list[str] = []
+
+    @w.handler
+    async def stopper(job: JobContext) -> None:
+        ran.append(job.id)
+        w.stop(immediately=True)
+        await asyncio.sleep(10)
+
+    jobs = [await queue.add("stopper") for _ in range(2)]
+    counts = _Counts(("stopper", "released"))
+    idle = _busy()
+    async with running(w, redis) as task:
+        await asyncio.wait_for(task, timeout=10)
+    assert len(ran) == 1
+    assert _busy() == idle
+    assert counts.added() == {("stopper", "released"): 1}
+    for job in jobs:
+        await eventually(lambda job=job: _in_state(queue, job.id, JobState.WAITING))
+
+
+async def test_the_llm_layers_calls_reach_the_probe_the_hook_attached_for_the_attempt(
+    redis: Redis, prefix: str, queue: Queue
+) -> None:
+    from sluice.probes import Probe, probe
+    from sluice.service.worker_metrics import WorkerMetrics
+
+    hook = WorkerMetrics()
+    w = Worker("q", prefix=prefix, hooks=[hook])
+    seen: list[Probe] = []
+
+    @w.handler
+    async def reports(job: JobContext) -> None:
+        seen.append(probe())
+        probe().cache_lookup("bypass")
+
+    @w.handler
+    def reports_in_a_thread(job: JobContext) -> None:
+        seen.append(probe())
+        probe().cache_lookup("bypass")
+
+    def bypassed() -> float:
+        return _series().REGISTRY.get_sample_value("sluice_cache_lookups_total", {"result": "bypass"}) or 0
+
+    before = bypassed()
+    async with running(w, redis):
+        for name in ("reports", "reports_in_a_thread"):
+            await (await queue.add(name)).result(timeout=10)
+    assert seen == [hook.probe, hook.probe]
+    assert bypassed() - before == 2
+    assert probe() is not hook.probe  # outside an attempt: the probe that does nothing
+    probe().cache_lookup("bypass")
+    assert bypassed() - before == 2
+
+
+def test_an_after_whose_before_failed_gives_back_no_slot() -> None:
+    from sluice.service.worker_metrics import WorkerMetrics
+
+    hook = WorkerMetrics()
+    job = JobContext("q", "1", "task", {}, 1, 1, 0, "w", b"t")
+    idle = _busy()
+    hook.after_attempt(job, AttemptEnd("completed", None, 0.1), None)  # before_attempt raised
+    assert _busy() == idle
+
+
+def test_the_handler_histogram_labels_timeouts_and_last_failures() -> None:
+    from sluice.service.worker_metrics import outcome_label
+
+    def end(outcome: str, timed_out: bool = False) -> AttemptEnd:
+        return AttemptEnd(outcome, None, 0.0, timed_out=timed_out)
+
+    assert outcome_label(end("retry", timed_out=True)) == "timed_out"
+    assert outcome_label(end("dead", timed_out=True)) == "timed_out"
+    assert outcome_label(end("retry")) == "failed"
+    assert outcome_label(end("dead")) == "dead"
+    for same in ("completed", "released", "cancelled", "throttled", "lease_lost"):
+        assert outcome_label(end(same)) == same
+    assert outcome_label(end("something new")) == "other"
+
+
+def _label_sets() -> list[dict[str, str]]:
+    return [sample.labels for metric in _series().REGISTRY.collect() for sample in metric.samples]
+
+
+async def _now(value: bool) -> bool:
+    return value
+
+
+async def _in_state(queue: Queue, job_id: str, state: JobState) -> bool:
     record = await queue.get_job(job_id)
-    return record is not None and record.state == JobState.DEAD
+    return record is not None and record.state == state

@@ -4,9 +4,9 @@
 Its handlers: ``llm-inference`` (the built-in one, its provider from the environment:
 ``SLUICE_LLM_PROVIDER``, ``SLUICE_LLM_BASE_URL``...), ``flaky`` (raises on attempts before
 ``payload["succeed_on"]``), and ``loaded``, which answers whether this process traces: its
-tracer, and the OpenTelemetry tracing modules it imported (none while tracing is off;
-redis-py 8 imports OpenTelemetry's API and metrics SDK itself when they are installed, so
-those are not counted).
+tracer, the worker's hooks (``sluice worker`` adds AttemptSpans when tracing is on), and the
+OpenTelemetry tracing modules it imported (none while tracing is off; redis-py 8 imports
+OpenTelemetry's API and metrics SDK itself when they are installed, so those are not counted).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ async def loaded(job: JobContext) -> dict[str, Any]:
     tracing_modules = ("sluice.tracing.otel", "opentelemetry.sdk.trace", "opentelemetry.exporter")
     return {
         "tracer": tracehooks.installed() is not None,
+        "hooks": [type(hook).__name__ for hook in worker.hooks],
         "modules": sorted(m for m in sys.modules if m.startswith(tracing_modules)),
         "trace_context": job.trace_context,
     }

@@ -33,6 +33,7 @@ from sluice.llm.inference import inference_job
 from sluice.settings import ENV_REDIS_URL, Settings
 from sluice.testing.provider import serve_provider
 from sluice.testing.simulated_server import FAULTS_PATH, ProviderLimits
+from tests.conftest import running
 from tests.docs.test_using import block
 from tests.harness.otlp import Collector, Span, otlp_collector
 from tests.harness.proc_harness import REPO
@@ -250,7 +251,7 @@ async def test_tracing_off_writes_no_field_and_imports_no_opentelemetry(
     assert not await redis.hexists(queue.keys.job(job.id), "trace")
     with worker_process(redis_url, prefix, tmp_path, {"SLUICE_TRACING": "auto"}):
         result = await job.result(timeout=30)
-    assert result == {"tracer": False, "modules": [], "trace_context": None}
+    assert result == {"tracer": False, "hooks": ["RuntimeFromEnv"], "modules": [], "trace_context": None}
 
 
 async def test_a_malformed_trace_context_in_redis_is_ignored(
@@ -272,6 +273,7 @@ async def test_a_malformed_trace_context_in_redis_is_ignored(
         collector.wait_for(lambda spans: len(spans) >= 3)
     # (what the test with tracing off counts is there when it is on)
     assert isinstance(traced, dict) and traced["tracer"] is True
+    assert traced["hooks"] == ["AttemptSpans", "RuntimeFromEnv"]  # around the others
     assert {"sluice.tracing.otel", "opentelemetry.sdk.trace"} <= set(traced["modules"])
     # Then the bad one's attempt starts a trace of its own; the good one's continues the stored one
     (lone,) = attempts(collector, bad.id)
@@ -378,20 +380,24 @@ async def test_submissions_written_in_one_batch_keep_their_own_traces(
 
 
 async def test_the_tracing_library_example(
-    queue: Queue, collector: Collector, monkeypatch: pytest.MonkeyPatch
+    queue: Queue, redis: Redis, prefix: str, collector: Collector, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # docs/using.md, Tracing: the program's own provider, its exporter configured by the variable
+    # docs/using.md, Tracing: the program's own provider, its exporter configured by the
+    # variable; its Worker (on the test's queue here) traces its attempts with a hook
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
     namespace: dict[str, Any] = {}
     exec(compile(block("tracing-library"), "docs/using.md", "exec"), namespace)  # noqa: S102 - the doc's code
     provider = namespace["provider"]
+    worker = namespace["worker"].configure(queue=queue.name, prefix=prefix)
     try:
         job_id = await namespace["summarize_later"](queue, "A long text to summarize.")
+        async with running(worker, redis):
+            assert await queue.job(job_id).result(timeout=10) == "A long text to summarize."
         provider.force_flush()
     finally:
         tracing.disable()
         provider.shutdown()
-    collector.wait_for(lambda spans: len(spans) >= 2)
+    collector.wait_for(lambda spans: len(spans) >= 4)
     request = one(collector.named("summarize request"))
     enqueue = one(collector.named("sluice.enqueue"))
     assert (enqueue.trace_id, enqueue.parent_id) == (request.trace_id, request.span_id)
@@ -399,6 +405,10 @@ async def test_the_tracing_library_example(
     record = await queue.get_job(job_id)
     assert record is not None and record.trace_context is not None
     assert record.trace_context.startswith(f"00-{enqueue.trace_id}-{enqueue.span_id}-")
+    attempt = one(collector.named(f"process {QUEUE}"))
+    assert (attempt.trace_id, attempt.parent_id) == (enqueue.trace_id, enqueue.span_id)
+    handler = one(collector.named("summarize"))
+    assert (handler.trace_id, handler.parent_id) == (attempt.trace_id, attempt.span_id)
 
 
 async def test_the_tracing_worker_example(

@@ -31,7 +31,7 @@ from sluice.settings import ENV_WORKER_METRICS_DIR as ENV_HANDOFF
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 if TYPE_CHECKING:
-    from sluice.service.worker_metrics import Collected
+    from sluice.service.worker_metrics import Collected, WorkerMetrics
 SETTINGS = "Worker settings (default: as the Worker object in your code sets them)"
 
 
@@ -194,9 +194,10 @@ def worker(
         if worker_id is not None:
             w.configure(worker_id=worker_id)
         if metrics_port is not None or handoff is not None:
-            _metrics(metrics_port, handoff)
+            _count_attempts(w, _metrics(metrics_port, handoff))
         # Each worker process exports its own spans (a supervisor makes none).
-        tracing.configure(Settings.from_env())
+        if tracing.configure(Settings.from_env()):
+            _trace_attempts(w)
         structlog.get_logger("sluice.cli").info(
             "worker process",
             pid=os.getpid(),
@@ -206,6 +207,12 @@ def worker(
             worker_id=w.worker_id,
         )
         run(w.run(url))
+
+
+def _trace_attempts(w: Worker) -> None:
+    """Give the worker its attempts' spans, around its other hooks (unless its code did)."""
+    if not any(isinstance(hook, tracing.AttemptSpans) for hook in w.hooks):
+        w.add_hook(tracing.AttemptSpans(), outermost=True)
 
 
 def _metrics_mode(port: int | None, processes: int) -> str | None:
@@ -225,19 +232,28 @@ def _metrics_mode(port: int | None, processes: int) -> str | None:
     return handoff
 
 
-def _metrics(port: int | None, handoff: str | None) -> None:
+def _metrics(port: int | None, handoff: str | None) -> WorkerMetrics:
     """Count this process's metrics: into the directory a supervisor or ``sluice dev``
-    handed over, else in memory, served on ``port``."""
+    handed over, else in memory, served on ``port``; the hook that counts the attempts."""
     from sluice.service.worker_metrics import enable
 
     try:
-        enable(port, handoff)
+        hook = enable(port, handoff)
     except OSError as exc:
         raise CliFailure(
             f"cannot serve metrics on port {port} ({exc.strerror or exc}); pick another --metrics-port"
         ) from None
     if port is not None and handoff is None:
         structlog.get_logger("sluice.cli").info(f"metrics on http://0.0.0.0:{port}/metrics", port=port)
+    return hook
+
+
+def _count_attempts(w: Worker, hook: WorkerMetrics) -> None:
+    """Give the worker the metrics hook (unless its code added one: each would count)."""
+    from sluice.service.worker_metrics import WorkerMetrics
+
+    if not any(isinstance(h, WorkerMetrics) for h in w.hooks):
+        w.add_hook(hook)
 
 
 def _supervise(

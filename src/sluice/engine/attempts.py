@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from sluice.engine import outcomes, tracehooks
+from sluice.engine import outcomes
 from sluice.engine.codec import decode
 from sluice.engine.context import JobContext, set_current_job
 from sluice.engine.hooks import AttemptEnd, after_attempt, before_attempt
 from sluice.engine.job import valid_trace_context
-from sluice.engine.outcomes import PERMANENT, RELEASED, metric_label, returned
+from sluice.engine.outcomes import PERMANENT, RELEASED, returned
 from sluice.engine.transport import describe
 from sluice.engine.wireformat import (
     ATTEMPT,
@@ -42,7 +42,6 @@ from sluice.engine.wireformat import (
     TRACE_CONTEXT,
 )
 from sluice.errors import CorruptJobError, Throttled
-from sluice.probes import probe
 
 if TYPE_CHECKING:
     from sluice.engine.handlers import Handler, Handlers
@@ -62,7 +61,6 @@ class Running:
     __slots__ = (
         "backoff",
         "ctx",
-        "label",
         "started",
         "stop_reason",
         "sync",
@@ -87,8 +85,6 @@ class Running:
         #: time.monotonic() at start, and when its timeout fired (then the outcome is a timeout)
         self.started = 0.0
         self.timed_out_at: float | None = None
-        #: the job type as metrics name it (set at start: 'unregistered' without a handler)
-        self.label = ctx.name
 
 
 class Attempts:
@@ -210,14 +206,8 @@ class Attempts:
         timeout = timeout_ms / 1000 if timeout_ms > 0 else self.default_timeout
         entry = self.handlers.entry(name)
         job = Running(ctx, f[TOKEN], timeout, f[BACKOFF], entry is not None and entry[1])
-        if entry is None:  # any string a producer sent: not a metric label
-            job.label = "unregistered"
         job.started = time.monotonic()
         self.running[job_id] = job
-        try:
-            probe().attempt_started(job.label)
-        except Exception:  # a metrics hook's own failure: the job runs all the same
-            log.exception("worker: the metrics probe failed on job %s's start", job_id)
         if self.watchdog is not None:
             # Watched from now: if another job blocks the loop before this one's task
             # first runs, a hard stop still releases it.
@@ -232,8 +222,7 @@ class Attempts:
         timer = None
         if job.timeout is not None:
             timer = asyncio.get_running_loop().call_later(job.timeout, self._time_out, job)
-        # Opened on this task, so that the handler's own spans are children of the attempt's.
-        traced = tracehooks.attempt_scope(ctx)
+        # On this task, just before the handler: a span a hook opens is the handler's parent.
         hooks = self.hooks
         got = before_attempt(hooks, ctx) if hooks else None
         outcome: outcomes.Result | None = None
@@ -247,27 +236,29 @@ class Attempts:
             if self.running.get(ctx.id) is job:
                 del self.running[ctx.id]
             self.kick.set()
-            if traced is not None:
-                tracehooks.close_attempt(traced, *outcomes.trace_name(ctx, outcome))
             if got is not None:
-                name, error = outcomes.trace_name(ctx, outcome)
-                after_attempt(hooks, ctx, AttemptEnd(name, error, time.monotonic() - job.started), got)
+                after_attempt(hooks, ctx, self._end(job, handler is not None, outcome), got)
         if outcome is not None:
             self.done.append((ctx.id, job.token, *outcome, ctx.usage))
-        _ended_probe(job, outcome)
         if self.watchdog is not None:
             # After the outcome is queued: the watchdog always finds it in one place or the other.
             self.watchdog.unwatch(job)
 
+    @staticmethod
+    def _end(job: Running, registered: bool, outcome: outcomes.Result | None) -> AttemptEnd:
+        name, error = outcomes.trace_name(job.ctx, outcome)
+        seconds = time.monotonic() - job.started
+        return AttemptEnd(name, error, seconds, timed_out=job.timed_out_at is not None, registered=registered)
+
     def _ended(self, job: Running, _task: asyncio.Task[None]) -> None:
         """The job's task is done. Normally _execute has reported it; a task cancelled before
-        it first ran never entered _execute, and is reported here as stopped."""
+        it first ran never entered _execute, and is reported here as stopped (no hook saw it
+        begin, so none is told it ended)."""
         if self.running.get(job.ctx.id) is job:
             del self.running[job.ctx.id]
             outcome = outcomes.stopped(job.stop_reason)
             if outcome is not None:
                 self.done.append((job.ctx.id, job.token, *outcome, job.ctx.usage))
-            _ended_probe(job, outcome)
             self.kick.set()
         if self.watchdog is not None:
             self.watchdog.unwatch(job)
@@ -342,13 +333,3 @@ class Attempts:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait({future})
             return future.result()
-
-
-def _ended_probe(job: Running, outcome: outcomes.Result | None) -> None:
-    """Tell the metrics how the attempt ended. A probe that raises is logged, never lets the
-    attempt's outcome go unreported."""
-    label = metric_label(outcome, job.timed_out_at is not None, job.ctx.is_last_attempt)
-    try:
-        probe().attempt_ended(job.label, label, time.monotonic() - job.started)
-    except Exception:  # a metrics hook's own failure
-        log.exception("worker: the metrics probe failed on job %s's outcome", job.ctx.id)

@@ -11,6 +11,14 @@ handler's parent), and what it returns is handed to ``after_attempt``.
 As in dramatiq's middleware, "before" hooks run in order and "after" ones
 in reverse; a hook that raises is logged and never fails the attempt or
 stops the others. A worker with no hooks pays nothing per job for them.
+
+Every before_attempt is followed by exactly one after_attempt of the same
+hook, on the same task, so what a hook opens (a span, a busy slot, a context
+variable) it can always close. An attempt stopped before its task first ran
+(a shutdown, a cancel request or a lost lease in the loop turn it was
+leased) calls neither: nothing of it ran, and its job is reported as before.
+The worker's attempt spans (``sluice.tracing.AttemptSpans``) and metrics
+(``sluice.service.worker_metrics.WorkerMetrics``) are hooks of this kind.
 """
 
 from __future__ import annotations
@@ -34,6 +42,11 @@ class AttemptEnd(NamedTuple):
     error: str | None
     #: seconds from the attempt's start to its end
     seconds: float
+    #: its timeout fired (then a retry or dead outcome is the timeout's)
+    timed_out: bool = False
+    #: the worker has a handler for the job's name; False: any string a producer sent,
+    #: dead-lettered unrun (so a metric label must not take ``job.name`` as it is)
+    registered: bool = True
 
 
 class Hook:

@@ -3,7 +3,7 @@
 An attempt ends in one :class:`~sluice.engine.wireformat.Kind` with a value
 and, for a retry, a delay. The functions here decide which, from what the
 handler did (returned, raised, was stopped, ran past its timeout), and
-name the outcome for metrics and tracers. They log what an operator must
+name the outcome for the worker's hooks (``AttemptEnd.outcome``). They log what an operator must
 see (a retry, a dead letter) and have no other effect, so they are tested
 without a queue (tests/engine/test_outcomes.py).
 """
@@ -46,24 +46,13 @@ _STOPPED: dict[str, Result] = {
     "release": (RELEASED, b"", 0),
 }
 
-#: An outcome as a tracer names it (FAILED depends on the attempts left).
+#: An outcome as the hooks see it (FAILED depends on the attempts left).
 _TRACE_NAMES: dict[bytes, str] = {
     COMPLETED: "completed",
     PERMANENT: "dead",
     THROTTLED: "throttled",
     CANCELLED: "cancelled",
     RELEASED: "released",
-}
-
-#: An outcome as metrics name it.
-_METRIC_LABELS: dict[bytes, str] = {
-    COMPLETED: "completed",
-    FAILED: "failed",
-    PERMANENT: "dead",
-    OVERRAN: "timed_out",
-    RELEASED: "released",
-    CANCELLED: "cancelled",
-    THROTTLED: "throttled",
 }
 
 
@@ -197,7 +186,8 @@ def stopped(reason: str | None) -> Result | None:
 
 
 def trace_name(ctx: JobContext, outcome: Result | None) -> tuple[str, str | None]:
-    """An attempt's outcome as a tracer names it, and the error it reports (if any)."""
+    """An attempt's outcome as the hooks see it (a tracer's span says it too), and the error
+    it reports (if any)."""
     if outcome is None:
         return "lease_lost", None
     kind, value = outcome[0], outcome[1]
@@ -207,16 +197,3 @@ def trace_name(ctx: JobContext, outcome: Result | None) -> tuple[str, str | None
         name = _TRACE_NAMES.get(kind, kind.decode(errors="replace"))
     error = value[:1000].decode(errors="replace") if kind in (FAILED, PERMANENT) else None
     return name, error
-
-
-def metric_label(outcome: Result | None, timed_out: bool, last_attempt: bool) -> str:
-    """An attempt's outcome as metrics name it: a timeout as ``timed_out`` (reported as a
-    failure), a failure with no attempt left as ``dead``."""
-    if outcome is None:
-        return "lease_lost"
-    kind = outcome[0]
-    if timed_out and kind in (FAILED, OVERRAN):
-        return "timed_out"
-    if kind == FAILED and last_attempt:
-        return "dead"
-    return _METRIC_LABELS.get(kind, "other")

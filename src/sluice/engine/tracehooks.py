@@ -1,14 +1,18 @@
-"""Where a tracer plugs into the engine, which imports no tracing library itself.
+"""Where a tracer plugs into the producer side of the engine, which imports no tracing library.
 
 The engine carries one thing for tracing: a job's trace context
 (``JobSpec.trace_context``, the W3C ``traceparent`` of the span that added
 it), stored in the job's hash and handed to every attempt
-(``JobContext.trace_context``). The spans are made by a :class:`Tracer`
-that a higher layer installs here (``sluice.tracing``, for OpenTelemetry):
-``Queue.add``/``add_bulk`` open an enqueue scope, whose trace context the
-new jobs carry, and the worker opens an attempt scope around each handler
-run. With no tracer installed (the default) each costs one global read, and
-a tracer that raises is logged, never a failed add or attempt.
+(``JobContext.trace_context``). ``Queue.add``/``add_bulk`` open an enqueue
+scope with the :class:`Tracer` a higher layer installs here
+(``sluice.tracing``, for OpenTelemetry), and the new jobs carry its trace
+context. This one is process-wide on purpose: adding jobs is not a worker's
+business (any program, the API, a handler may add), and OpenTelemetry's
+tracer provider is one per process anyway. The worker's side, a span per
+attempt, is a worker hook instead (``sluice.tracing.AttemptSpans``).
+
+With no tracer installed (the default) an add costs one global read, and a
+tracer that raises is logged, never a failed add.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from sluice.engine.context import JobContext
     from sluice.engine.job import JobSpec
 
 log = logging.getLogger("sluice.tracing")
@@ -34,19 +37,8 @@ class EnqueueScope(Protocol):
         """The add returned ``job_ids``, or raised ``error``."""
 
 
-class AttemptScope(Protocol):
-    """One attempt being traced: opened on the attempt's own task before its handler runs,
-    so that what the handler traces is a child of it; closed on the same task."""
-
-    def done(self, outcome: str, error: str | None) -> None:
-        """The attempt ended: ``outcome`` is completed, retry, dead, throttled, cancelled,
-        released or lease_lost; ``error`` what the handler raised, if it did."""
-
-
 class Tracer(Protocol):
     def enqueue(self, queue: str, specs: Sequence[JobSpec]) -> EnqueueScope: ...
-
-    def attempt(self, ctx: JobContext) -> AttemptScope: ...
 
 
 _tracer: Tracer | None = None
@@ -74,24 +66,6 @@ def enqueue_scope(queue: str, specs: Sequence[JobSpec]) -> EnqueueScope | None:
     except Exception:
         log.warning("the tracer failed to open an enqueue span; the jobs are added untraced", exc_info=True)
         return None
-
-
-def attempt_scope(ctx: JobContext) -> AttemptScope | None:
-    tracer = _tracer
-    if tracer is None:
-        return None
-    try:
-        return tracer.attempt(ctx)
-    except Exception:
-        log.warning("the tracer failed to open a span for job %s", ctx.id, exc_info=True)
-        return None
-
-
-def close_attempt(scope: AttemptScope, outcome: str, error: str | None) -> None:
-    try:
-        scope.done(outcome, error)
-    except Exception:
-        log.warning("the tracer failed to close an attempt's span", exc_info=True)
 
 
 def close_enqueue(scope: EnqueueScope, job_ids: Sequence[str] | None, error: BaseException | None) -> None:

@@ -188,12 +188,17 @@ class Worker:
         """
         self._handlers.register(name, fn)
 
-    def add_hook(self, hook: Hook) -> None:
+    def add_hook(self, hook: Hook, *, outermost: bool = False) -> None:
         """Add a hook (engine/hooks.py): its startup runs after those added before it, its
-        shutdown and after_attempt before theirs."""
+        shutdown and after_attempt before theirs. ``outermost``: put it before the others
+        instead, so that it encloses them (an attempt's span: what the other hooks do around
+        the handler is then inside it)."""
         if not isinstance(hook, Hook):
             raise ConfigurationError(f"a hook must be a sluice.engine.hooks.Hook, got {hook!r}")
-        self._hooks.append(hook)
+        if outermost:
+            self._hooks.insert(0, hook)
+        else:
+            self._hooks.append(hook)
 
     @property
     def hooks(self) -> tuple[Hook, ...]:

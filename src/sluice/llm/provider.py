@@ -204,7 +204,8 @@ async def complete_observed(
     temperature: float | None = None,
     idempotency_key: str | None = None,
 ) -> Completion:
-    """``provider.complete``, reported to the process's probe (sluice/probes.py): the call's
+    """``provider.complete``, reported to the running attempt's probe (sluice/probes.py: the
+    worker's metrics hook attaches it, so nothing is passed down to here): the call's
     outcome, the answer's tokens by kind and its cost. Every chat call of Sluice's own
     handlers (llm-inference, failure-analysis) goes through here."""
     try:

@@ -1,10 +1,12 @@
 """A worker process's own metrics: ``sluice worker --metrics-port PORT``.
 
-What one process did, reported through :mod:`sluice.probes` (the engine and the LLM layer
-import no metrics library): busy slots, handler durations, provider calls, tokens, cost
-and semantic-cache lookups. What must be exact for the whole queue (limiter refusals,
-latency histograms, lease expiries) is counted in Redis instead and exported once, by the
-API (``service/metrics.py``), so that N workers do not repeat it.
+What one process did: busy slots and handler durations, counted by a worker hook
+(:class:`WorkerMetrics`, which the command adds to the Worker), and provider calls, tokens,
+cost and semantic-cache lookups, which the LLM layer reports to the probe the hook attaches
+for each attempt (:mod:`sluice.probes`; the engine and the LLM layer import no metrics
+library). What must be exact for the whole queue (limiter refusals, latency histograms,
+lease expiries) is counted in Redis instead and exported once, by the API
+(``service/metrics.py``), so that N workers do not repeat it.
 
 How a scrape reaches them:
 
@@ -30,9 +32,14 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sluice.probes import Probe, install
+from sluice.engine.hooks import Hook
+from sluice.probes import Probe, attach, detach
+
+if TYPE_CHECKING:
+    from sluice.engine.context import JobContext
+    from sluice.engine.hooks import AttemptEnd
 
 #: prometheus-client's variable (as multiproc.py names it; not imported from there, since
 #: importing it imports prometheus-client, before the mode is chosen).
@@ -41,21 +48,77 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: Distinct (provider, model) pairs a process labels; later ones are counted as model "other".
 MAX_MODELS = 50
 
+#: The outcomes the handler histogram labels; any other is "other" (each value is a series).
+HANDLER_OUTCOMES = (
+    "completed",
+    "failed",
+    "dead",
+    "timed_out",
+    "released",
+    "cancelled",
+    "throttled",
+    "lease_lost",
+)
+#: The job type of a job whose name has no handler here: a producer may send any name.
+UNREGISTERED = "unregistered"
+
 
 def _metrics() -> ModuleType:
     """The prometheus-client objects, made on first use (after the mode was chosen)."""
     return importlib.import_module("sluice.service.worker_series")
 
 
-class PrometheusProbe(Probe):
-    """Counts what :mod:`sluice.probes` reports into the worker series."""
+def outcome_label(end: AttemptEnd) -> str:
+    """An attempt's outcome as the handler histogram labels it: a timeout as ``timed_out``
+    (retried or dead: the timeout is what an operator looks for), a failure that will be
+    retried as ``failed``, the others as the hooks name them."""
+    if end.timed_out and end.outcome in ("retry", "dead"):
+        return "timed_out"
+    label = "failed" if end.outcome == "retry" else end.outcome
+    return label if label in HANDLER_OUTCOMES else "other"
+
+
+class WorkerMetrics(Hook):
+    """Counts a worker's attempts into the worker series, and attaches its probe to each.
+
+    A slot is busy from before_attempt to after_attempt, which always pair on the attempt's
+    task (engine/hooks.py), so the gauge cannot drift: an attempt stopped before its task
+    ran is in neither (it held no handler), and an after whose before failed gives back
+    nothing. The job type is the job's name only when the worker has a handler for it
+    (``AttemptEnd.registered``), else ``unregistered``: a producer may send any name, and
+    each label value is a series of its own.
+    """
 
     def __init__(self) -> None:
-        m = _metrics()
-        self.m = m
+        self.m = _metrics()
+        #: what the attempts' LLM calls report to (attached on each attempt's task)
+        self.probe = PrometheusProbe()
+        #: the HTTP server that serves the series (:func:`enable` starts it), or None
+        self.server: Any = None
+        self.m.PROCESSES.set(1)
+
+    def before_attempt(self, job: JobContext) -> Any:
+        token = attach(self.probe)
+        self.m.BUSY.inc()
+        return token  # after_attempt frees the slot only when the before got this far
+
+    def after_attempt(self, job: JobContext, end: AttemptEnd, before: Any) -> None:
+        if before is None:
+            return
+        m = self.m
+        m.BUSY.dec()
+        job_type = job.name if end.registered else UNREGISTERED
+        m.HANDLER.labels(job_type, outcome_label(end)).observe(end.seconds)
+        detach(before)
+
+
+class PrometheusProbe(Probe):
+    """Counts what the LLM layer reports (:mod:`sluice.probes`) into the worker series."""
+
+    def __init__(self) -> None:
+        self.m = _metrics()
         self._models: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # sync handlers report from their threads
-        m.PROCESSES.set(1)
 
     def _model(self, provider: str, model: str) -> str:
         key = (provider, model)
@@ -66,13 +129,6 @@ class PrometheusProbe(Probe):
                 self._models.add(key)
                 return model
         return "other"
-
-    def attempt_started(self, job_type: str) -> None:
-        self.m.BUSY.inc()
-
-    def attempt_ended(self, job_type: str, outcome: str, seconds: float) -> None:
-        self.m.BUSY.dec()
-        self.m.HANDLER.labels(job_type, outcome).observe(seconds)
 
     def provider_call(self, provider: str, model: str, outcome: str) -> None:
         self.m.CALLS.labels(provider, self._model(provider, model), outcome).inc()
@@ -89,22 +145,21 @@ class PrometheusProbe(Probe):
         self.m.CACHE.labels(result).inc()
 
 
-def enable(port: int | None, handoff: str | None) -> Any:
-    """Start counting in this worker process. ``handoff``: a directory a supervisor (or
-    ``sluice dev``) collects, written to in multiprocess mode; else ``port``: served here
-    from an ordinary registry. Returns the HTTP server (or None)."""
+def enable(port: int | None, handoff: str | None) -> WorkerMetrics:
+    """Start counting in this worker process; returns the hook to add to its Worker.
+    ``handoff``: a directory a supervisor (or ``sluice dev``) collects, written to in
+    multiprocess mode; else ``port``: served here from an ordinary registry (the hook's
+    ``server``)."""
     if handoff:
         os.environ[MULTIPROC_ENV] = handoff
-        install(PrometheusProbe())
-        return None
+        return WorkerMetrics()
     os.environ.pop(MULTIPROC_ENV, None)
-    install(PrometheusProbe())
-    if port is None:
-        return None
-    from prometheus_client import start_http_server
+    hook = WorkerMetrics()
+    if port is not None:
+        from prometheus_client import start_http_server
 
-    server, _thread = start_http_server(port, registry=_metrics().REGISTRY)
-    return server
+        hook.server, _thread = start_http_server(port, registry=_metrics().REGISTRY)
+    return hook
 
 
 @dataclass

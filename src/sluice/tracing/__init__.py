@@ -13,6 +13,12 @@ the API request's span or of whatever was current in your code) puts its W3C
 engine, which imports no tracing library); each attempt's ``process <queue>``
 span on the worker is its child, so retries are siblings, and a provider call
 (``chat <model>``) is the attempt's child. See docs/using.md, Tracing.
+
+The producer's spans and the provider calls' follow the process's switch
+(:func:`enable`): a job may be added by any program, and OpenTelemetry's
+provider is one per process anyway. The attempts' spans belong to a worker:
+its :class:`AttemptSpans` hook, which ``sluice worker`` adds when tracing is
+on and a program of your own passes in ``Worker(hooks=[...])``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sluice.engine import tracehooks
+from sluice.engine.hooks import Hook
 from sluice.errors import ConfigurationError
 from sluice.extras import require
 from sluice.settings import TRACE_EXPORTERS, Settings
@@ -32,6 +39,8 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import TracerProvider as AnyTracerProvider
 
+    from sluice.engine.context import JobContext
+    from sluice.engine.hooks import AttemptEnd
     from sluice.engine.job import JobSpec
     from sluice.engine.tracehooks import EnqueueScope
     from sluice.tracing.otel import OtelTracer
@@ -73,7 +82,9 @@ def configure(settings: Settings) -> bool:
 
 def enable(tracer_provider: AnyTracerProvider | None = None) -> None:
     """Trace with ``tracer_provider`` (default: OpenTelemetry's global one, as your program set
-    it up). Needs the ``otel`` extra (opentelemetry-api at least)."""
+    it up): the jobs this process adds and the provider calls it makes. A worker's attempts
+    are traced by its :class:`AttemptSpans` hook. Needs the ``otel`` extra (opentelemetry-api
+    at least)."""
     require("otel", _FEATURE, "opentelemetry.trace")
     from sluice.tracing.otel import OtelTracer
 
@@ -98,6 +109,42 @@ def tracer_provider() -> TracerProvider | AnyTracerProvider | None:
     """The provider spans go to, or None when tracing is off."""
     tracer = _tracer()
     return None if tracer is None else tracer.provider
+
+
+class AttemptSpans(Hook):
+    """A ``process <queue>`` span around each attempt of a worker (``sluice worker`` adds one
+    when tracing is on; a program of your own passes it in ``Worker(hooks=[...])``).
+
+    Opened in ``before_attempt``, on the attempt's own task just before the handler, and
+    made current there: what the handler traces (a provider call's ``chat`` span) is its
+    child. Its parent is the job's enqueue span (the job's trace context), so a job's
+    retries are siblings. Closed in ``after_attempt`` with the outcome; a failed attempt's
+    has an error status and the error. Added with ``outermost=True``, it also encloses what
+    the worker's other hooks do around the handler.
+
+    ``tracer_provider``: where the spans go; default: the one :func:`enable` (or
+    :func:`configure`) was given, else OpenTelemetry's global one, as found when the worker
+    starts (a provider your program sets up after making its Worker is the one used).
+    """
+
+    def __init__(self, tracer_provider: AnyTracerProvider | None = None) -> None:
+        require("otel", _FEATURE, "opentelemetry.trace")
+        self._provider = tracer_provider
+        self._tracer: OtelTracer | None = None
+
+    async def startup(self, state: dict[str, Any]) -> None:
+        from sluice.tracing.otel import OtelTracer
+
+        provider = self._provider if self._provider is not None else tracer_provider()
+        self._tracer = OtelTracer(provider)
+
+    def before_attempt(self, job: JobContext) -> Any:
+        tracer = self._tracer
+        return None if tracer is None else tracer.attempt(job)
+
+    def after_attempt(self, job: JobContext, end: AttemptEnd, before: Any) -> None:
+        if before is not None:  # None: started without the worker (no tracer), or opening failed
+            before.done(end.outcome, end.error)
 
 
 def fastapi_telemetry() -> TelemetryConfig:

@@ -101,7 +101,8 @@ class _Enqueue:
 
 
 class _Attempt:
-    """A ``process <queue>`` span, current on the attempt's task (tracehooks.AttemptScope)."""
+    """A ``process <queue>`` span, current on the attempt's task from its opening (in
+    AttemptSpans.before_attempt) to :meth:`done` (in after_attempt, on the same task)."""
 
     __slots__ = ("ctx", "span", "token")
 
@@ -111,6 +112,8 @@ class _Attempt:
         self.token = otel_context.attach(trace.set_span_in_context(span))
 
     def done(self, outcome: str, error: str | None) -> None:
+        """The attempt ended: ``outcome`` as ``AttemptEnd.outcome`` names it; ``error`` the
+        error text its job record keeps, for a failure."""
         span, ctx = self.span, self.ctx
         try:
             span.set_attribute("sluice.outcome", outcome)
@@ -162,7 +165,8 @@ class _LLMCall(LLMCall):
 
 
 class OtelTracer:
-    """The tracer :func:`sluice.tracing.enable` installs in the engine (tracehooks.Tracer)."""
+    """The tracer :func:`sluice.tracing.enable` installs in the engine (tracehooks.Tracer), and
+    the one each :class:`~sluice.tracing.AttemptSpans` hook opens its spans with."""
 
     def __init__(self, provider: TracerProvider | None = None) -> None:
         self.provider = provider if provider is not None else trace.get_tracer_provider()
