@@ -51,6 +51,9 @@ async def test_worker_options_reach_every_worker_process(
         # --timeout 2: the job without a timeout of its own is stopped after 2 s.
         dead = await eventually(lambda: _in_state(q, timed_out.id, JobState.DEAD), timeout=10)
         assert "timeout of 2s" in (dead.error or "")
+        # What start-up made is frozen out of the collector's way in every worker process.
+        frozen = await (await q.add("task", {"report_gc": True})).result(timeout=10)
+        assert frozen["frozen"] > 0, frozen
         # --shutdown-grace 1: SIGTERM releases the other job after 1 s, not 30.
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -60,6 +63,7 @@ async def test_worker_options_reach_every_worker_process(
         assert await q.job_state(released.id) is JobState.WAITING
     finally:
         proc.kill()
+        await q.close()
 
 
 def _start(argv: list[str], env: dict[str, str], log_path: Path) -> WorkerProc:
@@ -114,6 +118,20 @@ async def test_a_sigterm_while_children_start_stops_every_one_of_them(
 
 async def _some_children(proc: WorkerProc, n: int) -> bool:
     return len(proc.children()) >= n
+
+
+def test_hooks_that_do_nothing_around_an_attempt_are_left_out_of_it() -> None:
+    from sluice import Hook
+    from sluice.engine.hooks import FreezeAfterStartup, around_attempts
+
+    class Before(Hook):
+        def before_attempt(self, job: object) -> None: ...
+
+    class After(Hook):
+        def after_attempt(self, job: object, end: object, before: object) -> None: ...
+
+    before, after = Before(), After()
+    assert around_attempts([Hook(), FreezeAfterStartup(), before, after]) == (before, after)
 
 
 def test_a_traced_worker_gets_one_attempt_spans_hook_around_its_own() -> None:

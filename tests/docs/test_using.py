@@ -38,15 +38,6 @@ from tests.cli.test_cli import invoke
 from tests.conftest import eventually
 from tests.harness.proc_harness import REPO
 
-# A Redis connection left open by an earlier test (its loop already closed) has been
-# collected during this module's run in the full suite a few times, and pytest charges the
-# ResourceWarning of its StreamWriter to whichever test runs then. A run that collects
-# garbage after every test of tests/cli and tests/docs (the tests before this module) found
-# none, so it depends on timing; until it is found, only that one warning passes here.
-pytestmark = pytest.mark.filterwarnings(
-    r"ignore:Exception ignored in.*StreamWriter\.__del__:pytest.PytestUnraisableExceptionWarning"
-)
-
 DOC = REPO / "docs" / "using.md"
 
 APP = textwrap.dedent(
@@ -139,8 +130,7 @@ async def test_the_job_log_filter_example(redis_url: str, redis: Redis, prefix: 
         app_log.info("working in a thread")
 
     try:
-        queue = Queue("logged", redis=redis, prefix=prefix)
-        async with running_worker(worker, redis_url):
+        async with Queue("logged", redis=redis, prefix=prefix) as queue, running_worker(worker, redis_url):
             a = await queue.add("async", correlation_id="req-42")
             b = await queue.add("sync")
             await a.result(timeout=10)
@@ -216,8 +206,8 @@ async def run_like_a_service_manager(
         sluice_command(argv), cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=log
     )
     children: list[psutil.Process] = []
+    queue = Queue("default", redis=redis)
     try:
-        queue = Queue("default", redis=redis)
         job = await queue.add("summarize", {"text": "hello there, workers", "seconds": 1.5})
         deadline = time.monotonic() + 30
         while await queue.job_state(job.id) is not JobState.ACTIVE:
@@ -244,6 +234,7 @@ async def run_like_a_service_manager(
         if proc.poll() is None:
             proc.wait(5)
         log.close()
+        await queue.close()
 
 
 def _seconds(value: str) -> float:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,8 @@ def make_worker(
         hold = float(payload.get("hold", {}).get(job.worker_id, 0.0))
         if hold > 0:
             await asyncio.sleep(hold)
+        if payload.get("report_gc"):
+            return {"worker": job.worker_id, "attempt": job.attempt, "frozen": gc.get_freeze_count()}
         return {"worker": job.worker_id, "attempt": job.attempt}
 
     return worker

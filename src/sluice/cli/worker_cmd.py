@@ -20,6 +20,7 @@ from sluice.cli.options import CONNECTION, RedisOpt, at_least, checked_name
 from sluice.cli.output import stderr
 from sluice.cli.runtime import run
 from sluice.cli.server import redis_url
+from sluice.engine.hooks import FreezeAfterStartup
 from sluice.engine.watchdog import EXIT_HARD_STOPPED
 from sluice.engine.worker import Worker
 from sluice.errors import ConfigurationError, MissingExtra
@@ -198,6 +199,8 @@ def worker(
         # Each worker process exports its own spans (a supervisor makes none).
         if tracing.configure(Settings.from_env()):
             _trace_attempts(w)
+        # This process is the worker's: what its start-up made stays out of the collector's way.
+        w.add_hook(FreezeAfterStartup())
         structlog.get_logger("sluice.cli").info(
             "worker process",
             pid=os.getpid(),

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from sluice.engine import outcomes
 from sluice.engine.codec import decode
 from sluice.engine.context import JobContext, set_current_job
-from sluice.engine.hooks import AttemptEnd, after_attempt, before_attempt
+from sluice.engine.hooks import AttemptEnd, after_attempt, around_attempts, before_attempt
 from sluice.engine.job import valid_trace_context
 from sluice.engine.outcomes import PERMANENT, RELEASED, returned
 from sluice.engine.transport import describe
@@ -109,7 +109,8 @@ class Attempts:
         self.prefix = prefix
         self.lag = lag
         self.provider_view = provider_view
-        self.hooks = tuple(hooks)
+        #: only those that act around an attempt (see hooks.around_attempts)
+        self.hooks = around_attempts(hooks)
         self.running: dict[str, Running] = {}
         #: outcomes not yet handed to the pump
         self.done: list[Outcome] = []
