@@ -196,7 +196,13 @@ async def warm_up(job: JobContext) -> None:
     client, which would show as dispatch-to-arrival jitter.
     """
     if _through_provider():
-        _clients.provider()  # built before the workload, as a long-running worker's is
+        # Built before the workload, and its own connection pool opened, as a long-running
+        # worker's are (the GET below warms the provider's client, not only ours).
+        http_client = _clients.provider()._client  # (private: the lab's warm-up only)
+        stats = os.environ[ENV_PROVIDER] + STATS_PATH
+        (await http_client.get(stats)).raise_for_status()
+        await asyncio.sleep(0.05)  # held, so that concurrent warm-ups open distinct connections
+        return
     async with _clients.http() as http:
         (await http.get(STATS_PATH)).raise_for_status()
         # Holding the client a moment makes concurrent warm-ups build distinct clients.
