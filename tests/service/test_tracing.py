@@ -251,7 +251,12 @@ async def test_tracing_off_writes_no_field_and_imports_no_opentelemetry(
     assert not await redis.hexists(queue.keys.job(job.id), "trace")
     with worker_process(redis_url, prefix, tmp_path, {"SLUICE_TRACING": "auto"}):
         result = await job.result(timeout=30)
-    assert result == {"tracer": False, "hooks": ["RuntimeFromEnv"], "modules": [], "trace_context": None}
+    assert result == {
+        "tracer": False,
+        "hooks": ["RuntimeFromEnv", "FreezeAfterStartup"],
+        "modules": [],
+        "trace_context": None,
+    }
 
 
 async def test_a_malformed_trace_context_in_redis_is_ignored(
@@ -273,7 +278,7 @@ async def test_a_malformed_trace_context_in_redis_is_ignored(
         collector.wait_for(lambda spans: len(spans) >= 3)
     # (what the test with tracing off counts is there when it is on)
     assert isinstance(traced, dict) and traced["tracer"] is True
-    assert traced["hooks"] == ["AttemptSpans", "RuntimeFromEnv"]  # around the others
+    assert traced["hooks"] == ["AttemptSpans", "RuntimeFromEnv", "FreezeAfterStartup"]  # around the others
     assert {"sluice.tracing.otel", "opentelemetry.sdk.trace"} <= set(traced["modules"])
     # Then the bad one's attempt starts a trace of its own; the good one's continues the stored one
     (lone,) = attempts(collector, bad.id)
