@@ -673,22 +673,8 @@ class QueueMachine(RuleBasedStateMachine):
         code, state = self.model.cancel(now, job_id, ahead)
         event(f"cancel: {state or 'missing'} -> {code}")
         if not api:  # the script itself: its code and the state it found
-            k, q = self.queue.keys, self.queue
-            reply = self.run(
-                q.scripts.cancel(
-                    keys=[
-                        k.job(job_id),
-                        k.waiting,
-                        k.delayed,
-                        k.events,
-                        k.stats,
-                        k.parked_prefix,
-                        k.retention,
-                        k.finished_prefix,
-                    ],
-                    args=[now, job_id, q.events_maxlen, "1" if ahead else ""],
-                )
-            )
+            core = self.queue.core
+            reply = self.run(core.run(core.commands.cancel(job_id, ahead=ahead, now=now)))
             assert [reply[0], _s(reply[1])] == [code, state]
         elif code == -1:
             with pytest.raises(JobNotFound):
@@ -982,12 +968,8 @@ class QueueMachine(RuleBasedStateMachine):
         now = self.clock.now
         state, changed, charged, over = self.model.settle_script(now, rid, how, used)
         event(f"ledger: settle an attempt's: {how} -> {state}{' (changed)' if changed else ''}")
-        k = self.queue.keys
-        reply = self.run(
-            self.queue.scripts.settle(
-                keys=[*k.flow, k.wake, k.events, k.held], args=[now, rid, how, used, self.queue.events_maxlen]
-            )
-        )
+        core = self.queue.core
+        reply = self.run(core.run(core.commands.settle(now=now, reservation=rid, how=how, tokens=used)))
         assert [_s(reply[0]), *reply[1:]] == [state, int(changed), charged, over]
 
     def read(self, data: st.DataObject) -> None:

@@ -75,7 +75,7 @@ class Commands:
             args.append(payload)
         return Call("add", keys, args)
 
-    def cancel(self, job_id: str, *, ahead: bool) -> Call:
+    def cancel(self, job_id: str, *, ahead: bool, now: int | None = None) -> Call:
         k = self.keys
         keys = [
             k.job(job_id),
@@ -87,7 +87,7 @@ class Commands:
             k.retention,
             k.finished_prefix,
         ]
-        return Call("cancel", keys, [script_now(None), job_id, self._events_maxlen, "1" if ahead else ""])
+        return Call("cancel", keys, [script_now(now), job_id, self._events_maxlen, "1" if ahead else ""])
 
     # -- workers -----------------------------------------------------------------------------
 
